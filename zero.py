@@ -1,0 +1,798 @@
+"""
+zero.py: data parallelism and ZeRO stages 1, 2 and 3, written from scratch with the raw
+torch.distributed collectives, in one file you can read top to bottom.
+
+    torchrun --nproc_per_node=4 zero.py --stage 2      # 4 ranks: gloo on CPU, or NCCL, one GPU each
+    python zero.py --stage 3                           # one rank, the same code path
+    python zero.py --estimate --params 7.5e9 --world-size 64   # the paper's Figure 1, no training
+
+The problem. Plain data parallelism keeps a full copy of the *model state* on every rank:
+the parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision
+an fp32 master copy of the weights). With Psi parameters that is 16 Psi bytes per rank in the
+paper's mixed-precision Adam accounting, the same for fp32 Adam here (4 + 4 + 8 bytes per
+parameter). A 7.5B model needs 120 GB on every rank before a single activation is stored, and
+adding ranks does not help: each one holds the same 120 GB.
+
+The idea (ZeRO, Rajbhandari et al., SC'20, arXiv:1910.02054). The N ranks hold N identical
+copies: keep 1/N each instead, and communicate to fill in what a rank needs at the moment it
+needs it. Shard the optimizer state (stage 1), then the gradients too (stage 2), then the
+parameters too (stage 3). Per-rank model state, bytes (paper, mixed precision, K = 12):
+
+    stage                  params   grads    optimizer   total per rank   Psi=7.5e9, N=64
+    0 data parallel        2Psi     2Psi     12Psi       16Psi                 120 GB
+    1 ZeRO-1 (P_os)        2Psi     2Psi     12Psi/N     4Psi + 12Psi/N        31.4 GB
+    2 ZeRO-2 (P_os+g)      2Psi     2Psi/N   12Psi/N     2Psi + 14Psi/N        16.6 GB
+    3 ZeRO-3 (P_os+g+p)    2Psi/N   2Psi/N   12Psi/N     16Psi/N                1.9 GB
+
+What it costs, per rank per optimizer step, counted as elements sent by a ring algorithm
+(all-reduce = reduce-scatter + all-gather, so it sends twice what either half sends):
+
+    stage 0   all_reduce(grads)                                      2 Psi (N-1)/N
+    stage 1   reduce_scatter(grads) + all_gather(updated params)     2 Psi (N-1)/N   same as 0
+    stage 2   the same, the reduce-scatter issued during backward    2 Psi (N-1)/N   same as 0
+    stage 3   all_gather in forward + in backward + reduce_scatter   3 Psi (N-1)/N   1.5x
+
+So stages 1 and 2 are free in communication: an all-reduce *is* a reduce-scatter followed by an
+all-gather, and ZeRO just puts the optimizer step in between. Stage 3 pays 50% more, and
+latency: every unit waits for its all-gather before it can compute.
+
+How to read this file. The sections below run in the order the code does: set-up, the sharded
+layout (a Unit), then one class per stage, each a small diff on the one before it (stop reading
+after ZeRO1 and you know ZeRO-1), then the demo model and data, then the measurements and the
+command line. The classes share one interface, the one the tests and users call:
+
+    optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    loss_fn(model(x), y).backward()     # as often as you like: gradients accumulate
+    optimizer.clip_grad_norm_(1.0)      # optional, global norm over all shards
+    optimizer.step(); optimizer.zero_grad()
+
+What is left out, on purpose: bf16 mixed precision, overlapping communication with compute,
+prefetching, and checkpoints that change world size (later sections of the project);
+activation memory (ZeRO-R: activation checkpointing and partitioning) and CPU offload (ZeRO-
+Offload/Infinity). Activations are not model state and no stage here shards them.
+"""
+import argparse
+import copy
+import functools
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
+# old names. The old names are the ones every torch >= 2.6 has (and every tutorial uses), so we
+# keep them and silence just that warning.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
+
+class UsageError(Exception):
+    """Bad input from the command line or the environment: printed as one line, exit code 2."""
+
+
+def setup(backend=None, device=None, timeout_s=120):
+    """Join the process group torchrun describes, or make a group of one without torchrun.
+
+    Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors.
+    gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several ranks share
+    one GPU; NCCL refuses that. Returns (rank, world_size, device)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    if device is None:
+        device = "cuda" if backend != "gloo" and 0 < local_world <= gpus else "cpu"
+    if backend is None:
+        backend = "nccl" if device == "cuda" and local_world <= gpus else "gloo"
+    if device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda, but no CUDA GPU is visible")
+    if backend == "nccl" and (device != "cuda" or local_world > gpus):
+        raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
+                         f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
+    dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        # A bounded timeout: if a rank dies, the others fail in their next collective after
+        # timeout_s instead of waiting forever.
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharded layout. A Unit is a group of parameters communicated as one tensor, like FSDP's
+# FlatParameter: its parameters back to back in one flat buffer, padded with zeros to a multiple
+# of N so that it splits into N equal, contiguous shards. Rank r owns shard r.
+#
+#   flat  [N*S]: | p0 ........ | p1 .... | p2 ............ | 0 0 |    p.data is a view into it
+#                |<- shard 0 ->|<- shard 1 ->|<- shard 2 ->|<- 3 ->|  (N = 4, S elements each)
+#
+# Why one flat buffer, not whole parameters handed round-robin to owners: every rank gets the
+# same number of elements (to within the padding), and each collective is a single call.
+# Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
+# as soon as backward is done with it, and what stage 3 gathers just before it computes. With
+# units=[] everything is one unit, the root.
+
+class Unit:
+    def __init__(self, module, params, rank, world):
+        self.module, self.params = module, params  # module None: the root unit (what is left over)
+        numel = sum(p.numel() for p in params)
+        self.S = -(-numel // world)                # shard size: ceil(numel / N)
+        p0 = params[0]
+        if any(p.dtype != p0.dtype or p.device != p0.device for p in params):
+            raise ValueError("zero: the parameters of one unit must share dtype and device")
+        self.flat = torch.zeros(world * self.S, dtype=p0.dtype, device=p0.device)  # [N*S]
+        self.offset, o = {}, 0
+        for p in params:
+            self.flat[o:o + p.numel()].copy_(p.detach().flatten())
+            p.data = self.flat[o:o + p.numel()].view_as(p)  # the module now computes with the view
+            self.offset[p], o = o, o + p.numel()
+        self.mine = slice(rank * self.S, (rank + 1) * self.S)  # the elements this rank owns
+        self.shard = self.flat[self.mine]  # [S] what the optimizer steps on this rank
+        self.grad = None                   # [N*S] the full gradient, when this rank holds one
+        self.grad_shard = None             # [S] the owned 1/N of the averaged gradient
+        self.ready = 0                     # parameters whose gradient arrived in this backward
+        self.users = 0                     # stage 3: modules computing with the gathered unit now
+
+    def grad_view(self, p):
+        return self.grad[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+
+
+def default_units(module):
+    """Every child that has trainable parameters; containers (ModuleList, ModuleDict) are opened,
+    so the blocks of a transformer's ModuleList each become a unit. Parameters of the model that no
+    unit holds (an embedding, a final norm) form the root unit."""
+    units = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += default_units(child)
+        elif any(p.requires_grad for p in child.parameters()):
+            units.append(child)
+    return units
+
+
+def _nbytes(tensors):
+    """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
+    is not counted twice and a freed buffer (storage resized to 0) counts 0."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in storages.items() if ptr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 0: data parallelism, the baseline every stage is measured against
+
+class DataParallel:
+    """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
+    averaged with all_reduce before the step. Memory 16 Psi per rank; communication 2 Psi (N-1)/N.
+
+    This is DDP's job, minus its overlap: DDP all-reduces each bucket during backward, here the
+    all-reduce waits for step(), which keeps accumulation over several backward calls free."""
+
+    stage = 0
+
+    def __init__(self, model, optimizer, units=None, param_dtype=None):
+        if param_dtype is not None:
+            raise NotImplementedError("zero: param_dtype (bf16 mixed precision) is not implemented yet")
+        self.model = model
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.comm = Counter()  # bytes this rank has sent, per collective kind (ring cost, see _sent)
+        self.peak = Counter()  # largest memory_breakdown() value seen, per kind
+        self.names = {p: n for n, p in model.named_parameters()}  # a tied weight: its first name
+        self.units = self._make_units(model, default_units(model) if units is None else list(units))
+        self.psi = sum(p.numel() for u in self.units for p in u.params)  # Psi: trainable parameters
+        # Ranks may have built their models with different seeds: start from rank 0's weights.
+        # Frozen parameters and buffers too; they are not sharded, every rank keeps them whole.
+        # (One-off set-up traffic, not counted in the per-step numbers.)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        for t in [u.flat for u in self.units] + frozen + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+        for unit in self.units:
+            self._shard(unit)
+            for p in unit.params:  # runs once p.grad holds this backward's gradient for p
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+        # The optimizer only ever sees flat tensors: the whole flat buffer here, this rank's shard
+        # from stage 1 on. That is exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
+        # each element's update depends on that element's gradient and state only, so cutting the
+        # model into flat shards changes nothing. It is NOT exact for optimizers that look at a
+        # whole tensor: LAMB and LARS scale by per-tensor norms, Shampoo and Muon precondition or
+        # orthogonalize whole matrices; a shard holds slices of several tensors. They need the
+        # full tensor, or shards cut along tensor boundaries plus extra communication.
+        # (Per-parameter groups, e.g. no weight decay on biases, are not possible for the same reason.)
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+        self.optimizer = optimizer([u.shard for u in self.units])
+        self._reduced = False
+
+    def _make_units(self, model, modules):
+        """Give each trainable parameter to the first unit module that holds it; the rest is root."""
+        inside = {id(m) for m in model.modules() if m is not model}
+        if any(id(m) not in inside for m in modules):
+            raise ValueError("zero: every unit must be a submodule of the model (not the model itself)")
+        modules = list(dict.fromkeys(modules))
+        self.unit_modules = modules  # a module holding only tied weights of other units stays listed
+        seen, units = set(), []
+        for module in modules + [None]:
+            params = [p for p in (module or model).parameters() if p.requires_grad and p not in seen]
+            seen.update(params)
+            if params:
+                units.append(Unit(module, params, self.rank, self.world))
+        if not units:
+            raise ValueError("zero: the model has no trainable parameters")
+        return units
+
+    def _shard(self, unit):
+        # Stage 0 shards nothing: the "shard" this rank steps is the whole flat buffer, and the
+        # full gradient lives as long as the model (4 Psi bytes in fp32).
+        unit.shard = unit.flat
+        unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
+
+    def _on_grad(self, unit, p):
+        # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
+        unit.grad_view(p).add_(p.grad)
+        p.grad = None
+
+    def _sent(self, kind, full):
+        """Count what a ring algorithm makes this rank send for a collective over `full` (M bytes):
+        all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. (gloo's own
+        reduce-scatter is an all-reduce inside, so its wire bytes differ: this is the ring figure.)"""
+        times = 2 if kind == "all_reduce" else 1
+        self.comm[kind] += times * (self.world - 1) * full.numel() * full.element_size() / self.world
+
+    def _reduce_grads(self):
+        if self._reduced:
+            return
+        for unit in self.units:
+            dist.all_reduce(unit.grad)  # [N*S] sum over ranks, then / N: the global-batch mean
+            self._sent("all_reduce", unit.grad)
+            unit.grad.div_(self.world)
+        self._reduced = True
+
+    def _sum_of_squares(self):
+        # Every rank holds the whole averaged gradient: its squares are the global ones.
+        return torch.stack([u.grad_shard.float().pow(2).sum() for u in self.units]).sum()
+
+    def clip_grad_norm_(self, max_norm):
+        """Scale gradients so that their global L2 norm is at most max_norm, as
+        torch.nn.utils.clip_grad_norm_ does on the unsharded model. Returns the norm before."""
+        self._reduce_grads()
+        norm = self._sum_of_squares().sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # eps added once, to the global norm
+        for u in self.units:
+            u.grad_shard.mul_(scale.to(u.grad_shard.dtype))
+        return norm
+
+    def step(self):
+        self._reduce_grads()
+        self.optimizer.step()
+        self._gather_params()
+        self._track_peak()
+
+    def _gather_params(self):
+        pass  # stage 0: every rank stepped the whole model, nothing to fetch
+
+    def zero_grad(self):
+        for u in self.units:
+            u.grad_shard.zero_()
+            if u.grad is not None:
+                u.grad.zero_()
+        self._reduced = False
+
+    def memory_breakdown(self):
+        """Bytes of model state this rank holds right now, summed over the storages really
+        allocated (a view counts once, a freed buffer counts 0). Frozen parameters and buffers are
+        not model state that ZeRO shards and are not counted."""
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"params": _nbytes([u.flat for u in self.units] + [u.shard for u in self.units]),
+                "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]),
+                "optimizer": _nbytes(state)}
+
+    def _track_peak(self):
+        for kind, n in self.memory_breakdown().items():
+            self.peak[kind] = max(self.peak[kind], n)
+
+    def full_state_dict(self):
+        """{name: full float32 tensor} for every parameter (tied ones once, frozen ones too), on
+        every rank."""
+        return {name: p.detach().float().clone() for name, p in self.model.named_parameters()}
+
+    def state_dict(self):
+        """This rank's shard of the parameters and its optimizer state (and the buffers): what a
+        rank needs to continue, and all it owns."""
+        return {"stage": self.stage, "world_size": self.world, "rank": self.rank,
+                "shards": [u.shard.detach().clone() for u in self.units],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()}}
+
+    def load_state_dict(self, sd):
+        """Load what state_dict() wrote on this rank, for the same model, stage and world size."""
+        want = (self.stage, self.world, self.rank, [u.S if self.stage else u.flat.numel() for u in self.units])
+        got = (sd.get("stage"), sd.get("world_size"), sd.get("rank"), [s.numel() for s in sd.get("shards", [])])
+        if want != got:
+            raise ValueError(f"zero: state dict (stage, world size, rank, shard sizes) = {got}, this model is {want}")
+        with torch.no_grad():
+            for u, s in zip(self.units, sd["shards"]):
+                u.shard.copy_(s)
+            for n, b in self.model.named_buffers():
+                b.copy_(sd["buffers"][n])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.zero_grad()
+        self._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1: shard the optimizer state
+
+class ZeRO1(DataParallel):
+    """Changes vs DataParallel: each rank keeps optimizer state for its 1/N of each unit only.
+    Gradients are reduce-scattered (each rank receives the sum of its own shard only), the
+    optimizer steps that shard, and the updated shards are all-gathered back into every rank's
+    full parameters. Memory 4 Psi + 12 Psi/N (paper); communication unchanged, 2 Psi (N-1)/N.
+
+    torch.distributed.optim.ZeroRedundancyOptimizer does this job, but hands whole parameters to
+    owner ranks; here each unit is cut evenly (THEORY.md: round-robin owners balance badly)."""
+
+    stage = 1
+
+    def _shard(self, unit):
+        super()._shard(unit)                            # full gradient buffer, as in stage 0...
+        unit.shard = unit.flat[unit.mine]               # ...but the optimizer sees this rank's [S]
+        unit.grad_shard = unit.grad[unit.mine]          # and its [S] of the gradient: views, no copy
+
+    def _reduce_grads(self):
+        if self._reduced:
+            return
+        for unit in self.units:
+            # In place: input is the full [N*S] gradient, output is this rank's [S] slice of it.
+            # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
+            dist.reduce_scatter_tensor(unit.grad_shard, unit.grad)
+            self._sent("reduce_scatter", unit.grad)
+            unit.grad_shard.div_(self.world)
+        self._reduced = True
+
+    def _sum_of_squares(self):
+        # Each rank holds 1/N of the gradient: add up the squares of all shards first.
+        squares = super()._sum_of_squares()
+        dist.all_reduce(squares)
+        self._sent("all_reduce", squares)
+        return squares
+
+    def _gather_params(self):
+        for unit in self.units:
+            # In place: each rank contributes its freshly stepped shard, which is already a slice
+            # of flat, and receives everyone else's.
+            dist.all_gather_into_tensor(unit.flat, unit.shard)
+            self._sent("all_gather", unit.flat)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2: shard the gradients
+
+class ZeRO2(ZeRO1):
+    """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
+    produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds its
+    [S] into a persistent gradient shard, and the full [N*S] buffer is freed. Memory
+    2 Psi + 14 Psi/N (paper); communication unchanged, but reduce-scatters run during backward.
+
+    Timing is the whole point (THEORY.md): a "ZeRO-2" that reduce-scatters after backward has
+    finished holds every full gradient at the peak and saves nothing. Trade-off: with gradient
+    accumulation every backward call now communicates (stage 0 and 1 wait for step())."""
+
+    stage = 2
+
+    _end_queued = False  # is _end_of_backward already queued for the backward now running?
+
+    def _shard(self, unit):
+        unit.shard = unit.flat[unit.mine]
+        unit.grad = None                                # allocated per backward, freed when reduced
+        unit.grad_shard = torch.zeros_like(unit.shard)  # [S] accumulates over backward calls
+
+    def _on_grad(self, unit, p):
+        if not self._end_queued:  # a parameter unused in this backward never reports: catch it at the end
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+        if unit.grad is None:
+            unit.grad = torch.zeros_like(unit.flat)     # [N*S], lives only until the unit is complete
+            self._track_peak()
+        super()._on_grad(unit, p)
+        unit.ready += 1
+        if unit.ready == len(unit.params):  # backward is done with this unit: reduce it now
+            self._reduce_unit(unit)
+
+    def _reduce_unit(self, unit):
+        mine = unit.grad[unit.mine]
+        dist.reduce_scatter_tensor(mine, unit.grad)     # in place, as in ZeRO1
+        self._sent("reduce_scatter", unit.grad)
+        unit.grad_shard.add_(mine.div_(self.world))
+        unit.grad, unit.ready = None, 0                 # the only reference: the [N*S] buffer is freed
+
+    def _end_of_backward(self):
+        # Runs once when the autograd engine finishes a backward. Units that some parameter of
+        # did not receive a gradient (unused in this forward) are reduced here, in unit order, the
+        # same on every rank. (If ranks use different parameters, the collectives no longer match
+        # and the job hangs until the timeout, as in DDP without find_unused_parameters.)
+        self._end_queued = False
+        for unit in self.units:
+            if unit.grad is not None:
+                self._reduce_unit(unit)
+
+    def _reduce_grads(self):
+        pass  # already done, unit by unit, during backward
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 3: shard the parameters
+
+class ZeRO3(ZeRO2):
+    """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
+    the unit right before its module computes in forward and frees it right after; it is gathered
+    again right before the module's backward and freed once its gradient is reduce-scattered.
+    The whole model is never gathered at once. Memory 16 Psi/N (paper); communication
+    3 Psi (N-1)/N: the parameters are all-gathered twice per step instead of once.
+
+    The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
+    from the start of forward to the end of backward, as FSDP2 does for its root: backward would
+    need it again at once. That saves one of its all-gathers per step."""
+
+    stage = 3
+
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        # Which units each module computes with. Usually just its own; a module whose weight is
+        # tied to another unit's (an output head sharing the embedding) needs that unit too.
+        owner = {p: u for u in self.units for p in u.params}
+        needs = {model: [u for u in self.units if u.module is None]}
+        for m in self.unit_modules:
+            needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
+        for module, units in needs.items():
+            if units:
+                module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
+                module.register_forward_hook(functools.partial(self._post_forward, units))
+
+    def _shard(self, unit):
+        super()._shard(unit)
+        unit.shard = unit.shard.clone()  # [S] in storage of its own, which survives the free below
+        self._free(unit)
+
+    def _gather(self, unit):
+        if unit.flat.untyped_storage().nbytes() == 0:
+            unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
+            dist.all_gather_into_tensor(unit.flat, unit.shard)  # [N*S] <- N x [S]
+            self._sent("all_gather", unit.flat)
+            self._track_peak()
+
+    def _free(self, unit):
+        # Gotcha: `p.data = torch.empty(0)` would not free anything while autograd still holds
+        # the parameter for backward. Shrinking the storage itself frees the memory under every
+        # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
+        # autograd saved sees the gathered values again in backward.
+        unit.flat.untyped_storage().resize_(0)
+
+    def _pre_forward(self, units, module, args):
+        for u in units:
+            u.users += 1
+            self._gather(u)
+
+    def _post_forward(self, units, module, args, output):
+        training = torch.is_grad_enabled()
+        for u in units:
+            u.users -= 1
+            if u.users == 0 and not (training and u.module is None):  # keep the root for backward
+                self._free(u)
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if training and tensors:  # fires when backward reaches this module's output: gather again
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grad: [self._gather(u) for u in units], mode="any")
+
+    def _reduce_unit(self, unit):
+        super()._reduce_unit(unit)
+        if unit.users == 0:
+            self._free(unit)  # its gradient is complete, so backward is done with its parameters
+
+    def _end_of_backward(self):
+        super()._end_of_backward()
+        for unit in self.units:  # the root, and units gathered for a backward that gave no grads
+            if unit.users == 0:
+                self._free(unit)
+
+    def _gather_params(self):
+        pass  # nothing to gather after the step: the next forward gathers each unit when needed
+
+    def full_state_dict(self):
+        full = {}
+        for unit in self.units:  # one unit at a time, never the whole model at once
+            was_gathered = unit.flat.untyped_storage().nbytes() > 0
+            self._gather(unit)
+            full.update({p: p.detach().float().clone() for p in unit.params})
+            if not was_gathered:
+                self._free(unit)
+        return {n: full[p] if p in full else p.detach().float().clone()
+                for n, p in self.model.named_parameters()}
+
+
+def _tensors(x):
+    """The tensors inside a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
+
+
+STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
+
+
+def wrap(model, stage, optimizer, units=None, param_dtype=None):
+    """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
+    default process group and return the optimizer to train it with.
+
+    optimizer: builds a torch optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3);
+    the torch optimizer itself is `.optimizer` (attach LR schedulers to that).
+    units: the modules communicated as one (stage 3 gathers them one by one); default_units(model)."""
+    if stage not in range(len(STAGES)):
+        raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
+    if not dist.is_initialized():
+        setup()
+    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The formulas (THEORY.md), to print next to what is measured
+
+STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharded",
+               "ZeRO-2: optimizer state + gradients sharded", "ZeRO-3: optimizer state + gradients + parameters sharded"]
+
+
+def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8):
+    """Model-state bytes per rank: stage >= 1 shards the optimizer state, >= 2 the gradients,
+    3 the parameters. Defaults: fp32 AdamW (m and v: K = 8). The paper: 2, 2, 12."""
+    return {"params": param_bytes * psi / (world if stage >= 3 else 1),
+            "grads": grad_bytes * psi / (world if stage >= 2 else 1),
+            "optimizer": optim_bytes * psi / (world if stage >= 1 else 1)}
+
+
+def comm_formula(stage, psi, world, elem_bytes=4, micro_batches=1):
+    """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k micro-batches
+    stages 2 and 3 reduce-scatter in every backward, and stage 3 gathers in every forward and backward."""
+    ring, k = (world - 1) / world * psi * elem_bytes, micro_batches
+    return [{"all_reduce": 2 * ring},
+            {"reduce_scatter": ring, "all_gather": ring},
+            {"reduce_scatter": k * ring, "all_gather": ring},
+            {"reduce_scatter": k * ring, "all_gather": 2 * k * ring}][stage]
+
+
+def estimate(psi, world):
+    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks."""
+    print(f"ZeRO model-state memory per rank (formula, THEORY.md / paper Figure 1)\n"
+          f"Ψ = {psi:.4g} parameters, N = {world} ranks, mixed-precision Adam: 2 + 2 + 12 bytes "
+          f"per parameter, GB = 1e9 bytes\n")
+    print(f"{'stage':<32} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}   communication per step")
+    traffic = ["2Ψ(N-1)/N", "2Ψ(N-1)/N", "2Ψ(N-1)/N", "3Ψ(N-1)/N"]
+    for stage in range(4):
+        m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12).items()}
+        elements = sum(comm_formula(stage, psi, world, 1).values())
+        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<30} {m['params']:>7.2f} GB {m['grads']:>7.2f} GB "
+              f"{m['optimizer']:>7.2f} GB {sum(m.values()):>7.1f} GB   {traffic[stage]} = {elements:.3g} elements")
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo model and data: a small byte-level GPT trained on the bytes of this very file, so that
+# nothing is downloaded and the loss visibly falls from ln(256) = 5.55 within a minute on CPU.
+
+class Block(nn.Module):
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.fc, self.out = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):  # x: [B, T, d]
+        B, T, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(B, T, 3, self.n_head, d // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, T, d/heads]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT. The blocks are the stage-3 units; the token embedding (tied to the output
+    head: one parameter, used twice), the position embedding and the final norm form the root unit."""
+
+    def __init__(self, seq_len=64, d_model=64, n_layer=4, n_head=4, vocab=256):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        for m in self.modules():  # GPT-2's init: small weights, so the first loss is about ln(256)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx):  # idx: [B, T] byte values -> logits [B, T, vocab]
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
+    """This rank's rows of the global batch for (step, micro-batch): rank r takes rows
+    [r*B, (r+1)*B) of N*B windows drawn from one seeded generator, so every stage sees the same
+    global batch and a single process fed all N*B rows is the exact reference."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro)
+    starts = torch.randint(len(data) - seq_len - 1, (world * batch_size,), generator=g)
+    rows = torch.stack([data[s:s + seq_len + 1] for s in starts[rank * batch_size:(rank + 1) * batch_size]])
+    return rows[:, :-1], rows[:, 1:]  # inputs [B, T], targets [B, T]: the next byte
+
+
+# ----------------------------------------------------------------------------------------------
+# Training and the report: one line per step from rank 0, and a closing table of what each rank
+# held and sent, measured, next to the formula.
+
+def box(rows):
+    width = max(len(k) for k, _ in rows), max(len(str(v)) for _, v in rows)
+    line = f"+-{'-' * width[0]}-+-{'-' * width[1]}-+"
+    return "\n".join([line] + [f"| {k:<{width[0]}} | {str(v):<{width[1]}} |" for k, v in rows] + [line])
+
+
+def train(args):
+    rank, world, device = setup(args.backend, args.device, args.timeout)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
+    model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
+    opt = wrap(model, args.stage, functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.1),
+               units=model.blocks)
+    data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
+    log(box([("zero.py", f"stage {args.stage} ({STAGE_NAMES[args.stage]})"),
+             ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
+             ("Ψ", f"{opt.psi:,} trainable parameters in {len(opt.units)} units"),
+             ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
+                       f"bytes of {os.path.basename(__file__)}"),
+             ("dtype, optimizer", "float32, AdamW (state m, v: 8 bytes per parameter)"),
+             ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x {args.grad_accum} micro-batch(es)")]))
+    times, mem, start = [], None, Counter(opt.comm)
+    for step in range(1, args.steps + 1):
+        t0, sent0 = time.perf_counter(), sum(opt.comm.values())
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len, args.seed)
+            loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten()) / args.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
+        opt.step()
+        mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state is held
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        sent = sum(opt.comm.values()) - sent0
+        dist.all_reduce(loss_sum)  # the global-batch loss, for the log line only (not ZeRO traffic)
+        log(f"step {step:4d} | loss {loss_sum.item() / world:.6f} | {times[-1] * 1e3:8.1f} ms | "
+            f"sent {sent / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
+    report(opt, args, world, device, mem, {k: (v - start[k]) / args.steps for k, v in opt.comm.items()}, times, log)
+
+
+def report(opt, args, world, device, mem, comm, times, log):
+    psi, stage, k = opt.psi, opt.stage, args.grad_accum
+    ranks = [None] * world  # every rank's measurements, so that the table shows the worst rank
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    dist.all_gather_object(ranks, (mem, dict(opt.peak), cuda_peak))
+    formula = memory_formula(stage, psi, world)
+    labels = {"params": "4Ψ" + "/N" * (stage >= 3), "grads": "4Ψ" + "/N" * (stage >= 2),
+              "optimizer": "8Ψ" + "/N" * (stage >= 1)}
+    log(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step)")
+    log(f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
+    for kind in ("params", "grads", "optimizer"):
+        log(f"  {kind:<10} {max(r[0][kind] for r in ranks):>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
+            f"   {max(r[1].get(kind, 0) for r in ranks):>18,}")
+    total = ["16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"][stage]  # fp32 AdamW: 4 + 4 + 8 bytes
+    log(f"  {'total':<10} {max(sum(r[0].values()) for r in ranks):>12,}   {total:<10} {sum(formula.values()):>12,.0f}")
+    log(f"  (measured includes padding to a multiple of N per unit and Adam's step counters; 'peak' adds\n"
+        f"   the transient full-unit gradients of stage 2 and gathered units of stage 3)")
+    log(f"\ncommunication per rank per step, bytes (ring cost of the calls made; N = {world}, k = {k} micro-batches)")
+    expected = comm_formula(stage, psi, world, 4, k)
+    names = {"all_reduce": "2Ψ(N-1)/N" if stage == 0 else "-", "reduce_scatter": f"{k}·Ψ(N-1)/N" if stage >= 2 else "Ψ(N-1)/N",
+             "all_gather": f"{2 * k}·Ψ(N-1)/N" if stage == 3 else "Ψ(N-1)/N"}
+    for kind in sorted(set(comm) | set(expected)):
+        log(f"  {kind:<15} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<12} {expected.get(kind, 0):>14,.0f}")
+    log(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} {sum(expected.values()):>14,.0f}")
+    if stage == 3:
+        log("  (stage 3: the root unit stays gathered from forward into backward, one all-gather fewer)")
+    if args.clip > 0 and stage >= 1:
+        log("  (all_reduce: the 4-byte sum of squares for clipping the global gradient norm)")
+    log(f"\nmedian step time {statistics.median(times) * 1e3:.1f} ms over {len(times)} steps")
+    if device.type == "cuda":
+        log("torch.cuda.max_memory_allocated per rank: " + ", ".join(f"{r[2] / 1e6:.1f} MB" for r in ranks))
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: bad input is one line on stderr and exit code 2, never a traceback
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
+def parse_args(argv=None):
+    p = Parser(description="Data parallel and ZeRO-1/2/3 from raw torch.distributed collectives.")
+    p.add_argument("--stage", type=int, default=3, choices=range(4), help="0 data parallel, 1-3 ZeRO (default 3)")
+    p.add_argument("--steps", type=positive(int), default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-layer", type=positive(int), default=4)
+    p.add_argument("--d-model", type=positive(int), default=64)
+    p.add_argument("--n-head", type=positive(int), default=4)
+    p.add_argument("--seq-len", type=positive(int), default=64)
+    p.add_argument("--batch-size", type=positive(int), default=8, help="rows per rank per micro-batch")
+    p.add_argument("--grad-accum", type=positive(int), default=1, help="micro-batches (backward calls) per step")
+    p.add_argument("--lr", type=positive(float), default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip; 0 turns it off")
+    p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl if every local rank has a GPU")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
+    p.add_argument("--estimate", action="store_true", help="print the per-rank memory formula and exit")
+    p.add_argument("--params", type=positive(float), help="Ψ for --estimate, e.g. 7.5e9")
+    p.add_argument("--world-size", type=positive(int), help="N for --estimate")
+    args = p.parse_args(argv)
+    if args.estimate and (args.params is None or args.world_size is None):
+        raise UsageError("--estimate needs --params and --world-size")
+    if args.d_model % args.n_head:
+        raise UsageError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
+    if args.clip < 0:
+        raise UsageError("--clip must be 0 (off) or positive")
+    return args
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        if args.estimate:
+            estimate(args.params, args.world_size)
+        else:
+            train(args)
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"zero.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # The hooks tie the model and the ZeRO object into reference cycles. Left to interpreter
+        # shutdown, their tensors were freed while gloo's threads were still alive and the process
+        # aborted ("terminate called without an active exception", at random): free them now.
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
