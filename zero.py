@@ -54,7 +54,6 @@ Offload/Infinity). Activations are not model state and no stage here shards them
 import argparse
 import copy
 import functools
-import gc
 import os
 import statistics
 import sys
@@ -198,8 +197,7 @@ class DataParallel:
         # Ranks may have built their models with different seeds: start from rank 0's weights.
         # Frozen parameters and buffers too; they are not sharded, every rank keeps them whole.
         # (One-off set-up traffic, not counted in the per-step numbers.)
-        frozen = [p for p in model.parameters() if not p.requires_grad]
-        for t in [u.flat for u in self.units] + frozen + list(model.buffers()):
+        for t in [u.flat for u in self.units] + [t for _, t in self._replicated()]:
             dist.broadcast(t.data, src=0)
         for unit in self.units:
             self._shard(unit)
@@ -311,12 +309,17 @@ class DataParallel:
         return {name: p.detach().float().clone() for name, p in self.model.named_parameters()}
 
     def state_dict(self):
-        """This rank's shard of the parameters and its optimizer state (and the buffers): what a
-        rank needs to continue, and all it owns."""
+        """This rank's shard of the parameters and its optimizer state, plus the frozen parameters
+        and buffers every rank holds: what a rank needs to continue."""
         return {"stage": self.stage, "world_size": self.world, "rank": self.rank,
                 "shards": [u.shard.detach().clone() for u in self.units],
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()}}
+                "replicated": {n: t.detach().clone() for n, t in self._replicated()}}
+
+    def _replicated(self):
+        """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
+        frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
+        return frozen + list(self.model.named_buffers())
 
     def load_state_dict(self, sd):
         """Load what state_dict() wrote on this rank, for the same model, stage and world size."""
@@ -327,8 +330,8 @@ class DataParallel:
         with torch.no_grad():
             for u, s in zip(self.units, sd["shards"]):
                 u.shard.copy_(s)
-            for n, b in self.model.named_buffers():
-                b.copy_(sd["buffers"][n])
+            for n, t in self._replicated():
+                t.copy_(sd["replicated"][n])
         self.optimizer.load_state_dict(sd["optimizer"])
         self.zero_grad()
         self._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
@@ -775,6 +778,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    code = 0
     try:
         args = parse_args(argv)
         if args.estimate:
@@ -784,14 +788,15 @@ def main(argv=None):
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"zero.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # The hooks tie the model and the ZeRO object into reference cycles. Left to interpreter
-        # shutdown, their tensors were freed while gloo's threads were still alive and the process
-        # aborted ("terminate called without an active exception", at random): free them now.
-        gc.collect()
+        code = 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Leave without the interpreter's teardown. With torch 2.13's gloo, a worker thread can still be
+    # releasing the tensors of the last collective while Python shuts down, and the process then
+    # aborts ("terminate called without an active exception") after a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,371 @@
+"""Tests for zero.py, on the gloo backend: every stage is checked against one single-process
+reference (plain model, plain torch optimizer, the concatenation of all ranks' batches).
+
+The ranks are spawned by the tests themselves. Each world size (1, 2, 4) is launched once and runs
+every scenario for every stage; the tests below then check what the ranks recorded.
+Run: python -m pytest -q
+"""
+import functools
+import io
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+V, D, H, B, T = 13, 6, 11, 3, 5  # vocab, width, hidden, rows per rank, tokens per row
+STEPS = 3
+CASES = {
+    # Default units: emb, block 0, block 1, norm, head. The head's weight is the embedding's, so the
+    # tied parameter sits in one unit and is used by two. Two micro-batches per step and clipping
+    # (max norm small enough that it really clips).
+    "adamw": dict(optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                  accum=2, clip=0.05, units=None),
+    # Units: the two blocks; the root unit holds emb (tied to the head), norm and the head's bias.
+    "sgd": dict(optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                accum=1, clip=None, units="blocks"),
+}
+
+
+class Net(nn.Module):
+    """Awkward on purpose: 401 trainable parameters (divisible by neither 2 nor 4) in units of
+    uneven size, the output head tied to the embedding, a frozen layer and a buffer."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)  # ranks build different weights: wrap must broadcast rank 0's
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(2))
+        self.frozen = nn.Linear(D, D)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.rand(D) + 0.5)
+
+    def forward(self, x):  # x: [rows, T] token ids -> logits [rows, T, V]
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(self.frozen(h) * self.scale))
+
+
+def global_batch(step, micro, world):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(V, (world * B, T), generator=g)
+    return x, (x * 7 + 3) % V  # a learnable target
+
+
+def run_steps(model, optimizer, clip, case, rows, world, steps, start=0, after_step=lambda: None):
+    """The training loop, the same for zero.py (rows: this rank's) and the reference (rows: all)."""
+    for step in range(start, start + steps):
+        for micro in range(case["accum"]):
+            x, y = (t[rows] for t in global_batch(step, micro, world))
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / case["accum"]
+            loss.backward()
+        if case["clip"]:
+            clip(case["clip"])
+        optimizer.step()
+        after_step()
+        optimizer.zero_grad()
+
+
+def reference(case, world, steps=STEPS):
+    model = Net(seed=100)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = CASES[case]["optimizer"](params)
+    clip = functools.partial(torch.nn.utils.clip_grad_norm_, params)
+    run_steps(model, optimizer, clip, CASES[case], slice(None), world, steps)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def wrapped(rank, stage, case, seed):
+    model = Net(seed=seed + rank)
+    units = list(model.blocks) if CASES[case]["units"] == "blocks" else None
+    return model, zero.wrap(model, stage, CASES[case]["optimizer"], units=units)
+
+
+def layout(opt):
+    return {"psi": opt.psi, "S": [u.S for u in opt.units], "root": [u.module is None for u in opt.units],
+            "emb": [any(p is opt.model.emb.weight for p in u.params) for u in opt.units]}
+
+
+# ----------------------------------------------------------------------------------------------
+# What each rank runs
+
+def scenarios(rank, world):
+    out = {}
+    for stage in range(4):
+        for case in CASES:
+            model, opt = wrapped(rank, stage, case, seed=100)
+            rec = {"comm": [], "mem": None, "sampled": {"params": 0, "grads": 0}, "gathered": 0, "grads_held": 0}
+
+            def sample(*_):  # an outside look at what the rank holds, from inside forward and backward
+                m = opt.memory_breakdown()
+                for k in rec["sampled"]:
+                    rec["sampled"][k] = max(rec["sampled"][k], m[k])
+                gathered = sum(u.flat.untyped_storage().nbytes() > 0 for u in opt.units)
+                rec["gathered"] = max(rec["gathered"], gathered)
+                rec["grads_held"] = max(rec["grads_held"], sum(u.grad is not None for u in opt.units))
+            for m in model.modules():
+                m.register_forward_pre_hook(sample)
+                m.register_forward_hook(sample)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(sample)  # runs after zero.py's own hook
+
+            comm = [dict(opt.comm)]
+
+            def after_step():
+                rec["mem"] = opt.memory_breakdown()  # after the step, before zero_grad
+                comm.append(dict(opt.comm))
+            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B),
+                      world, STEPS, after_step=after_step)
+            rec["comm"] = [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]
+            rec["full"] = opt.full_state_dict()
+            rec["layout"] = layout(opt)
+            out[(stage, case)] = rec
+
+        # Resume: 2 steps, state_dict through torch.save/load, a fresh model with other weights,
+        # load_state_dict, 2 more steps; against 4 uninterrupted steps.
+        case = "adamw"
+        model, opt = wrapped(rank, stage, case, seed=100)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B), world, 4)
+        straight = opt.full_state_dict()
+        model, opt = wrapped(rank, stage, case, seed=100)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B), world, 2)
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        model, opt = wrapped(rank, stage, case, seed=500)
+        opt.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B), world, 2, start=2)
+        out[(stage, "resume")] = {"straight": straight, "resumed": opt.full_state_dict()}
+    return out
+
+
+def _worker(rank, world, port, tmp):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.save(scenarios(rank, world), os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown, which gloo's threads can abort (see zero.main)
+
+
+def spawn(world):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, port, tmp), nprocs=world, start_method="spawn")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"N{w}")
+def ranks(request):
+    return request.param, spawn(request.param)
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness: every stage trains exactly like the single-process reference
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stage", range(4))
+def test_matches_single_process_reference(ranks, stage, case):
+    world, results = ranks
+    want = reference(case, world)
+    initial = {n: p.detach() for n, p in Net(seed=100).named_parameters()}
+    for r, res in enumerate(results):
+        got = res[(stage, case)]["full"]
+        assert list(got) == list(want)
+        for name in want:
+            diff = (got[name] - want[name]).abs().max().item()
+            assert diff <= 1e-5, f"rank {r} {name}: differs from the reference by {diff:.2e}"
+    moved = max((want[n] - initial[n]).abs().max().item() for n in want if n != "frozen.weight")
+    assert moved > 1e-2  # the comparison is not between two untrained models
+    assert torch.equal(want["frozen.weight"], initial["frozen.weight"])
+
+
+def test_clipping_really_clips():
+    # With clip 0.05 the "adamw" reference must differ from the same run without clipping, or
+    # the clipping checks above prove nothing.
+    unclipped = dict(CASES["adamw"], clip=None)
+    model = Net(seed=100)
+    params = [p for p in model.parameters() if p.requires_grad]
+    run_steps(model, unclipped["optimizer"](params), None, unclipped, slice(None), 2, STEPS)
+    clipped = reference("adamw", 2)
+    assert max((p.detach() - clipped[n]).abs().max().item() for n, p in model.named_parameters()) > 1e-4
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_resume_from_state_dict_is_exact(ranks, stage):
+    world, results = ranks
+    for res in results:
+        r = res[(stage, "resume")]
+        for name, t in r["straight"].items():
+            assert torch.equal(t, r["resumed"][name]), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: what memory_breakdown() measures equals the THEORY.md formula (fp32 AdamW)
+
+@pytest.mark.parametrize("stage", range(4))
+def test_memory_matches_formula(ranks, stage):
+    world, results = ranks
+    for res in results:
+        rec = res[(stage, "adamw")]
+        lay = rec["layout"]
+        padded, units = world * sum(lay["S"]), len(lay["S"])  # parameters incl. padding, per rank
+        shard = lambda sharded: padded // world if sharded else padded
+        exact = {"params": 4 * shard(stage >= 3), "grads": 4 * shard(stage >= 2),
+                 "optimizer": 8 * shard(stage >= 1) + 4 * units}  # + AdamW's float32 step counters
+        assert rec["mem"] == exact
+        formula = zero.memory_formula(stage, lay["psi"], world)
+        for kind in formula:  # the paper's formula, up to padding (< N elements per unit)
+            assert abs(rec["mem"][kind] - formula[kind]) <= 8 * (world * units + 1), kind
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_state_is_never_whole(ranks, stage):
+    # Stage 2: the full gradient of the whole model never exists at once (the reduce-scatter runs
+    # during backward and frees each unit's). Stage 3: neither do the full parameters.
+    world, results = ranks
+    if world == 1:
+        pytest.skip("with one rank a shard is the whole model")
+    for res in results:
+        for case in CASES:
+            rec = res[(stage, case)]
+            full, units = 4 * world * sum(rec["layout"]["S"]), len(rec["layout"]["S"])
+            assert 1 <= rec["grads_held"] <= 2 < units  # full gradients of one or two units at a time
+            if stage == 3:
+                assert 1 <= rec["gathered"] < units  # never every unit at once
+            if world == 4:  # in bytes too (with N = 2 the tiny Net's root unit plus a block is more)
+                assert 0 < rec["sampled"]["grads"] < full
+                assert 0 < rec["sampled"]["params"] < full if stage == 3 else rec["sampled"]["params"] == full
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication: the bytes counted from the calls made equal the formula
+
+def expected_comm(stage, case, world, lay):
+    """Ring bytes per step for the Net, from its unit sizes (so padding is exact)."""
+    ring = 4 * (world - 1) * sum(lay["S"])  # (N-1)/N x 4 bytes x every padded parameter
+    k = CASES[case]["accum"]
+    root = 4 * (world - 1) * sum(s for s, r in zip(lay["S"], lay["root"]) if r)
+    emb = 4 * (world - 1) * sum(s for s, e in zip(lay["S"], lay["emb"]) if e)
+    want = [{"all_reduce": 2 * ring}, {"reduce_scatter": ring, "all_gather": ring},
+            {"reduce_scatter": k * ring, "all_gather": ring},
+            # forward + backward, minus the root's backward gather (kept from forward); the "adamw"
+            # units have emb and head apart, so emb is gathered once more, for the head's forward
+            {"reduce_scatter": k * ring, "all_gather": k * (2 * ring - root + (emb if root == 0 else 0))}][stage]
+    if CASES[case]["clip"] and stage >= 1:
+        want["all_reduce"] = 2 * (world - 1) * 4 / world  # the sum of squares for the global norm
+    return want
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stage", range(4))
+def test_communication_matches_formula(ranks, stage, case):
+    world, results = ranks
+    for res in results:
+        rec = res[(stage, case)]
+        want = expected_comm(stage, case, world, rec["layout"])
+        for step in rec["comm"]:
+            assert {k: v for k, v in step.items() if v} == {k: v for k, v in want.items() if v}
+        if case == "sgd" and stage < 3:  # the paper's 2Ψ(N-1)/N, up to padding
+            formula = sum(zero.comm_formula(stage, rec["layout"]["psi"], world).values())
+            assert abs(sum(rec["comm"][0].values()) - formula) <= 8 * world * len(rec["layout"]["S"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The library's own checks
+
+def test_wrap_rejects_a_bad_stage():
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zero.wrap(Net(seed=0), 4, torch.optim.SGD)
+
+
+def test_estimate_reproduces_the_paper():
+    out = run_py("--estimate", "--params", "7.5e9", "--world-size", "64")
+    assert out.returncode == 0, out.stderr
+    totals = [float(m) for m in re.findall(r"([\d.]+) GB   [23]Ψ", out.stdout)]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+    out = run_py("--estimate", "--params", "1e9", "--world-size", "8")  # 16, 5.5, 3.75, 2 GB
+    assert [float(m) for m in re.findall(r"([\d.]+) GB   [23]Ψ", out.stdout)] == [16.0, 5.5, 3.8, 2.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line, end to end
+
+SMALL = ["--steps", "3", "--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "4"]
+
+
+def run_py(*args, torchrun=0):
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}"] if torchrun else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(launcher + [os.path.join(HERE, "zero.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=HERE)
+
+
+@pytest.fixture(scope="module")
+def cli_runs():
+    return {stage: run_py("--stage", str(stage), *SMALL, torchrun=4) for stage in range(4)}
+
+
+def losses(stdout):
+    return [float(x) for x in re.findall(r"^step +\d+ \| loss (\d+\.\d+)", stdout, re.M)]
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_cli_trains_under_torchrun(cli_runs, stage):
+    out = cli_runs[stage]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"stage {stage} (" in out.stdout and "world size       | 4 (gloo" in out.stdout
+    assert len(losses(out.stdout)) == 3
+    assert "model state per rank" in out.stdout and "communication per rank per step" in out.stdout
+    assert out.stdout.count("step    1 |") == 1  # one line per step: rank 0 alone prints
+
+
+def test_cli_every_stage_gives_the_same_losses(cli_runs):
+    runs = [losses(cli_runs[stage].stdout) for stage in range(4)]
+    assert all(len(r) == 3 for r in runs)
+    for run in runs[1:]:
+        assert max(abs(a - b) for a, b in zip(run, runs[0])) <= 2e-6
+    assert runs[0][-1] < runs[0][0]
+
+
+def test_cli_runs_as_one_process_without_torchrun():
+    out = run_py("--stage", "3", *SMALL)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world size       | 1 (gloo" in out.stdout and len(losses(out.stdout)) == 3
+
+
+BAD = [["--stage", "7"], ["--steps", "0"], ["--d-model", "-3"], ["--d-model", "30", "--n-head", "4"],
+       ["--clip", "-1"], ["--estimate", "--params", "abc", "--world-size", "4"],
+       ["--estimate", "--params", "-1", "--world-size", "64"], ["--estimate", "--params", "nan", "--world-size", "2"],
+       ["--estimate", "--params", "1e9"], ["--no-such-flag"]]
+if not torch.cuda.is_available():
+    BAD.append(["--backend", "nccl"])
+
+
+def test_bad_input_is_one_line_and_exit_2():
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "zero.py"), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for args in BAD]
+    for args, proc in zip(BAD, procs):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("zero.py: error: "), (args, err)
+        assert "Traceback" not in err + out
