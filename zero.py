@@ -8,7 +8,7 @@ torch.distributed collectives, in one file you can read top to bottom.
 
 The problem. Plain data parallelism keeps a full copy of the *model state* on every rank:
 the parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision
-an fp32 master copy of the weights). With Psi parameters that is 16 Psi bytes per rank in the
+an fp32 master copy of the weights). With Ψ parameters that is 16Ψ bytes per rank in the
 paper's mixed-precision Adam accounting, the same for fp32 Adam here (4 + 4 + 8 bytes per
 parameter). A 7.5B model needs 120 GB on every rank before a single activation is stored, and
 adding ranks does not help: each one holds the same 120 GB.
@@ -18,19 +18,19 @@ copies: keep 1/N each instead, and communicate to fill in what a rank needs at t
 needs it. Shard the optimizer state (stage 1), then the gradients too (stage 2), then the
 parameters too (stage 3). Per-rank model state, bytes (paper, mixed precision, K = 12):
 
-    stage                  params   grads    optimizer   total per rank   Psi=7.5e9, N=64
-    0 data parallel        2Psi     2Psi     12Psi       16Psi                 120 GB
-    1 ZeRO-1 (P_os)        2Psi     2Psi     12Psi/N     4Psi + 12Psi/N        31.4 GB
-    2 ZeRO-2 (P_os+g)      2Psi     2Psi/N   12Psi/N     2Psi + 14Psi/N        16.6 GB
-    3 ZeRO-3 (P_os+g+p)    2Psi/N   2Psi/N   12Psi/N     16Psi/N                1.9 GB
+    stage                  params  grads   optimizer  total per rank   Ψ = 7.5e9, N = 64
+    0 data parallel        2Ψ      2Ψ      12Ψ        16Ψ                  120 GB
+    1 ZeRO-1 (P_os)        2Ψ      2Ψ      12Ψ/N      4Ψ + 12Ψ/N          31.4 GB
+    2 ZeRO-2 (P_os+g)      2Ψ      2Ψ/N    12Ψ/N      2Ψ + 14Ψ/N          16.6 GB
+    3 ZeRO-3 (P_os+g+p)    2Ψ/N    2Ψ/N    12Ψ/N      16Ψ/N                1.9 GB
 
 What it costs, per rank per optimizer step, counted as elements sent by a ring algorithm
 (all-reduce = reduce-scatter + all-gather, so it sends twice what either half sends):
 
-    stage 0   all_reduce(grads)                                      2 Psi (N-1)/N
-    stage 1   reduce_scatter(grads) + all_gather(updated params)     2 Psi (N-1)/N   same as 0
-    stage 2   the same, the reduce-scatter issued during backward    2 Psi (N-1)/N   same as 0
-    stage 3   all_gather in forward + in backward + reduce_scatter   3 Psi (N-1)/N   1.5x
+    stage 0   all_reduce(grads)                                      2Ψ (N-1)/N
+    stage 1   reduce_scatter(grads) + all_gather(updated params)     2Ψ (N-1)/N  same as 0
+    stage 2   the same, the reduce-scatter issued during backward    2Ψ (N-1)/N  same as 0
+    stage 3   all_gather in forward + in backward + reduce_scatter   3Ψ (N-1)/N  1.5x
 
 So stages 1 and 2 are free in communication: an all-reduce *is* a reduce-scatter followed by an
 all-gather, and ZeRO just puts the optimizer step in between. Stage 3 pays 50% more, and
@@ -177,7 +177,7 @@ def _nbytes(tensors):
 
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
-    averaged with all_reduce before the step. Memory 16 Psi per rank; communication 2 Psi (N-1)/N.
+    averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
 
     This is DDP's job, minus its overlap: DDP all-reduces each bucket during backward, here the
     all-reduce waits for step(), which keeps accumulation over several backward calls free."""
@@ -191,9 +191,8 @@ class DataParallel:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.comm = Counter()  # bytes this rank has sent, per collective kind (ring cost, see _sent)
         self.peak = Counter()  # largest memory_breakdown() value seen, per kind
-        self.names = {p: n for n, p in model.named_parameters()}  # a tied weight: its first name
         self.units = self._make_units(model, default_units(model) if units is None else list(units))
-        self.psi = sum(p.numel() for u in self.units for p in u.params)  # Psi: trainable parameters
+        self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable parameters
         # Ranks may have built their models with different seeds: start from rank 0's weights.
         # Frozen parameters and buffers too; they are not sharded, every rank keeps them whole.
         # (One-off set-up traffic, not counted in the per-step numbers.)
@@ -235,7 +234,7 @@ class DataParallel:
 
     def _shard(self, unit):
         # Stage 0 shards nothing: the "shard" this rank steps is the whole flat buffer, and the
-        # full gradient lives as long as the model (4 Psi bytes in fp32).
+        # full gradient lives as long as the model (4Ψ bytes in fp32).
         unit.shard = unit.flat
         unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
 
@@ -344,7 +343,7 @@ class ZeRO1(DataParallel):
     """Changes vs DataParallel: each rank keeps optimizer state for its 1/N of each unit only.
     Gradients are reduce-scattered (each rank receives the sum of its own shard only), the
     optimizer steps that shard, and the updated shards are all-gathered back into every rank's
-    full parameters. Memory 4 Psi + 12 Psi/N (paper); communication unchanged, 2 Psi (N-1)/N.
+    full parameters. Memory 4Ψ + 12Ψ/N (paper); communication unchanged, 2Ψ (N-1)/N.
 
     torch.distributed.optim.ZeroRedundancyOptimizer does this job, but hands whole parameters to
     owner ranks; here each unit is cut evenly (THEORY.md: round-robin owners balance badly)."""
@@ -389,7 +388,7 @@ class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds its
     [S] into a persistent gradient shard, and the full [N*S] buffer is freed. Memory
-    2 Psi + 14 Psi/N (paper); communication unchanged, but reduce-scatters run during backward.
+    2Ψ + 14Ψ/N (paper); communication unchanged, but reduce-scatters run during backward.
 
     Timing is the whole point (THEORY.md): a "ZeRO-2" that reduce-scatters after backward has
     finished holds every full gradient at the peak and saves nothing. Trade-off: with gradient
@@ -444,8 +443,8 @@ class ZeRO3(ZeRO2):
     """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
     the unit right before its module computes in forward and frees it right after; it is gathered
     again right before the module's backward and freed once its gradient is reduce-scattered.
-    The whole model is never gathered at once. Memory 16 Psi/N (paper); communication
-    3 Psi (N-1)/N: the parameters are all-gathered twice per step instead of once.
+    The whole model is never gathered at once. Memory 16Ψ/N (paper); communication
+    3Ψ (N-1)/N: the parameters are all-gathered twice per step instead of once.
 
     The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
     from the start of forward to the end of backward, as FSDP2 does for its root: backward would
@@ -513,7 +512,11 @@ class ZeRO3(ZeRO2):
                 self._free(unit)
 
     def _gather_params(self):
-        pass  # nothing to gather after the step: the next forward gathers each unit when needed
+        # Nothing to gather after the step: the next forward gathers each unit when it needs it.
+        # A unit still gathered (a forward that had no backward) now holds stale values: free it.
+        for unit in self.units:
+            if unit.users == 0:
+                self._free(unit)
 
     def full_state_dict(self):
         full = {}
