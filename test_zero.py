@@ -155,21 +155,22 @@ def scenarios(rank, world):
     return out
 
 
-def _worker(rank, world, port, tmp):
+def _worker(rank, world, port, tmp, fn):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    torch.save(scenarios(rank, world), os.path.join(tmp, f"rank{rank}.pt"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.save(globals()[fn](rank, world), os.path.join(tmp, f"rank{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown, which gloo's threads can abort (see zero.main)
 
 
-def spawn(world):
+def spawn(world, fn="scenarios"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, port, tmp), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, tmp, fn), nprocs=world, start_method="spawn")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -369,3 +370,85 @@ def test_bad_input_is_one_line_and_exit_2():
         assert proc.returncode == 2, (args, err)
         assert err.count("\n") == 1 and err.startswith("zero.py: error: "), (args, err)
         assert "Traceback" not in err + out
+
+
+# ----------------------------------------------------------------------------------------------
+# fsdp_demo.py: PyTorch's own implementations train exactly like zero.py
+
+def fsdp_scenarios(rank, world):
+    import fsdp_demo
+    args = zero.training_parser("").parse_args(SMALL + ["--grad-accum", "2"])
+    args.bf16 = False
+    out = {}
+    for stage in range(4):
+        args.stage = stage
+        theirs, ours = fsdp_demo.compare(args, keep_params=True)
+        out[stage] = {"theirs": theirs, "ours": ours}
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"N{w}")
+def fsdp_ranks(request):
+    return request.param, spawn(request.param, "fsdp_scenarios")
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_pytorch_counterpart_trains_like_zero(fsdp_ranks, stage):
+    world, results = fsdp_ranks
+    for res in results:
+        theirs, ours = res[stage]["theirs"], res[stage]["ours"]
+        assert len(ours["losses"]) == 3 and ours["losses"][-1] < ours["losses"][0]
+        assert max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"])) <= 1e-5
+        assert list(theirs["full"]) == list(ours["full"])
+        for name, t in ours["full"].items():
+            assert (theirs["full"][name] - t).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_dispatcher_count_agrees_with_zero_own_count(fsdp_ranks, stage):
+    # fsdp_demo counts PyTorch's bytes at the dispatcher; on zero.py's run it must see exactly
+    # what zero.py counted itself, or the side-by-side numbers are not measured the same way.
+    world, results = fsdp_ranks
+    ours = results[0][stage]["ours"]
+    assert ours["comm_seen"] == ours["comm"] and sum(ours["comm"].values()) > 0
+
+
+def test_pytorch_memory_and_communication(fsdp_ranks):
+    world, results = fsdp_ranks
+    res = results[0]
+    psi = res[0]["ours"]["psi"]
+    for stage in range(4):
+        theirs, ours = res[stage]["theirs"], res[stage]["ours"]
+        assert theirs["psi"] == psi
+        # FSDP2 (stages 2, 3) shards parameters between steps; DDP and ZeroRedundancyOptimizer don't
+        assert theirs["mem"]["params"] == (4 * psi if stage < 2 else pytest.approx(4 * psi / world, rel=0.02))
+        assert theirs["mem"]["optimizer"] < 8 * psi * (0.6 if stage else 1.01)  # sharded from stage 1
+    # DDP all-reduces 2Ψ(N-1)/N x 4 bytes per micro-batch; FSDP2 with reshard_after_forward=True
+    # gathers twice and reduce-scatters once per micro-batch: 3Ψ(N-1)/N x 4 bytes each
+    ring = 4 * psi * (world - 1) / world
+    assert res[0]["theirs"]["comm"]["all_reduce"] == pytest.approx(2 * 2 * ring, rel=0.01)
+    assert sum(res[3]["theirs"]["comm"].values()) == pytest.approx(2 * 3 * ring, rel=0.02)
+
+
+def test_fsdp_demo_compare_end_to_end():
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+                          os.path.join(HERE, "fsdp_demo.py"), "--stage", "3", "--compare", *SMALL],
+                         capture_output=True, text=True, timeout=300, cwd=HERE,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "zero.py vs PyTorch, stage 3" in out.stdout and "largest parameter difference" in out.stdout
+    diff = float(re.search(r"largest loss difference (\S+)", out.stdout).group(1))
+    assert diff <= 1e-5
+
+
+def test_fsdp_demo_bf16_and_bad_input():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "fsdp_demo.py"), "--stage", "3", "--bf16", *SMALL],
+                         capture_output=True, text=True, timeout=300, cwd=HERE, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bfloat16 compute" in out.stdout and len(losses(out.stdout)) == 3
+    for args in (["--stage", "5"], ["--stage", "1", "--bf16"], ["--stage", "3", "--bf16", "--compare"]):
+        out = subprocess.run([sys.executable, os.path.join(HERE, "fsdp_demo.py"), *args],
+                             capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
+        assert out.stderr.startswith("fsdp_demo.py: error: ")

@@ -52,6 +52,7 @@ activation memory (ZeRO-R: activation checkpointing and partitioning) and CPU of
 Offload/Infinity). Activations are not model state and no stage here shards them.
 """
 import argparse
+import contextlib
 import copy
 import functools
 import os
@@ -660,75 +661,108 @@ def box(rows):
     return "\n".join([line] + [f"| {k:<{width[0]}} | {str(v):<{width[1]}} |" for k, v in rows] + [line])
 
 
-def train(args):
+def adamw(args):
+    return functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
+
+
+def log0(*a, **k):
+    if dist.get_rank() == 0:  # one voice: rank 0 prints, the others stay quiet
+        print(*a, **k, flush=True)
+
+
+def train(args, build=None, keep_params=False):
+    """Train the demo model and return what was measured (gathered from every rank).
+
+    build(model) -> (callable model, optimizer, label) chooses how the model is parallelized; the
+    default is zero.wrap. fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2):
+    same model, data, seed, loop and measurements, only the sharding differs."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
-    log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
-    opt = wrap(model, args.stage, functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.1),
-               units=model.blocks)
+    if build is None:
+        net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks)
+        label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
+    else:
+        net, opt, label = build(model)
     data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
-    log(box([("zero.py", f"stage {args.stage} ({STAGE_NAMES[args.stage]})"),
-             ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
-             ("Ψ", f"{opt.psi:,} trainable parameters in {len(opt.units)} units"),
-             ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
-                       f"bytes of {os.path.basename(__file__)}"),
-             ("dtype, optimizer", "float32, AdamW (state m, v: 8 bytes per parameter)"),
-             ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x {args.grad_accum} micro-batch(es)")]))
-    times, mem, start = [], None, Counter(opt.comm)
+    log0(box([("run", label),
+              ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
+              ("Ψ", f"{opt.psi:,} trainable parameters"),
+              ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
+                        f"bytes of {os.path.basename(__file__)}"),
+              ("dtype, optimizer", f"{'bfloat16 compute, ' if getattr(args, 'bf16', False) else ''}"
+                                   f"float32, AdamW (state m, v: 8 bytes per parameter)"),
+              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
+                               f"{args.grad_accum} micro-batch(es)")]))
+    # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count theirs
+    # at the dispatcher, inside this context, which leaves out the logging all-reduce below.
+    counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
+    times, losses, mem, start = [], [], None, Counter(opt.comm)
     for step in range(1, args.steps + 1):
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len, args.seed)
-            loss = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten()) / args.grad_accum
-            loss.backward()
-            loss_sum += loss.detach()
-        norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
-        opt.step()
-        mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state is held
-        opt.zero_grad()
+        with counting():
+            for micro in range(args.grad_accum):
+                x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len, args.seed)
+                logits = net(x.to(device)).float()
+                loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten()) / args.grad_accum
+                loss.backward()
+                loss_sum += loss.detach()
+            norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
+            opt.step()
+            mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state is held
+            opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         sent = sum(opt.comm.values()) - sent0
-        dist.all_reduce(loss_sum)  # the global-batch loss, for the log line only (not ZeRO traffic)
-        log(f"step {step:4d} | loss {loss_sum.item() / world:.6f} | {times[-1] * 1e3:8.1f} ms | "
-            f"sent {sent / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
-    report(opt, args, world, device, mem, {k: (v - start[k]) / args.steps for k, v in opt.comm.items()}, times, log)
-
-
-def report(opt, args, world, device, mem, comm, times, log):
-    psi, stage, k = opt.psi, opt.stage, args.grad_accum
-    ranks = [None] * world  # every rank's measurements, so that the table shows the worst rank
+        dist.all_reduce(loss_sum)  # the global-batch loss, for the log line only (not counted)
+        losses.append(loss_sum.item() / world)
+        log0(f"step {step:4d} | loss {losses[-1]:.6f} | {times[-1] * 1e3:8.1f} ms | "
+             f"sent {sent / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
+    ranks = [None] * world  # every rank's measurements: the tables show the largest
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     dist.all_gather_object(ranks, (mem, dict(opt.peak), cuda_peak))
+    return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
+            "times": times, "comm": {k: (v - start[k]) / args.steps for k, v in opt.comm.items()},
+            "mem": {k: max(r[0][k] for r in ranks) for k in mem},
+            "peak": {k: max(r[1].get(k, 0) for r in ranks) for k in mem} if ranks[0][1] else None,
+            "cuda_peak": [r[2] for r in ranks] if cuda_peak is not None else None,
+            "full": opt.full_state_dict() if keep_params else None}
+
+
+def report(res, args):
+    psi, stage, world, k = res["psi"], res["stage"], res["world"], args.grad_accum
     formula = memory_formula(stage, psi, world)
     labels = {"params": "4Ψ" + "/N" * (stage >= 3), "grads": "4Ψ" + "/N" * (stage >= 2),
               "optimizer": "8Ψ" + "/N" * (stage >= 1)}
-    log(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step)")
-    log(f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
+    peak = res["peak"] or {}
+    log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
+         f" formula: fp32 AdamW)")
+    log0(f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
     for kind in ("params", "grads", "optimizer"):
-        log(f"  {kind:<10} {max(r[0][kind] for r in ranks):>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
-            f"   {max(r[1].get(kind, 0) for r in ranks):>18,}")
+        log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
+             f"   {format(peak[kind], ',') if peak else 'not measured':>18}")
     total = ["16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"][stage]  # fp32 AdamW: 4 + 4 + 8 bytes
-    log(f"  {'total':<10} {max(sum(r[0].values()) for r in ranks):>12,}   {total:<10} {sum(formula.values()):>12,.0f}")
-    log(f"  (measured includes padding to a multiple of N per unit and Adam's step counters; 'peak' adds\n"
-        f"   the transient full-unit gradients of stage 2 and gathered units of stage 3)")
-    log(f"\ncommunication per rank per step, bytes (ring cost of the calls made; N = {world}, k = {k} micro-batches)")
-    expected = comm_formula(stage, psi, world, 4, k)
-    names = {"all_reduce": "2Ψ(N-1)/N" if stage == 0 else "-", "reduce_scatter": f"{k}·Ψ(N-1)/N" if stage >= 2 else "Ψ(N-1)/N",
+    log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} {sum(formula.values()):>12,.0f}")
+    log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient full-unit\n"
+         "   gradients of stage 2 and the gathered units of stage 3)")
+    log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; formula: fp32;"
+         f" N = {world}, k = {k} micro-batches)")
+    expected, comm = comm_formula(stage, psi, world, 4, k), res["comm"]
+    names = {"all_reduce": "2Ψ(N-1)/N" if stage == 0 else "-",
+             "reduce_scatter": f"{k}·Ψ(N-1)/N" if stage >= 2 else "Ψ(N-1)/N",
              "all_gather": f"{2 * k}·Ψ(N-1)/N" if stage == 3 else "Ψ(N-1)/N"}
     for kind in sorted(set(comm) | set(expected)):
-        log(f"  {kind:<15} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<12} {expected.get(kind, 0):>14,.0f}")
-    log(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} {sum(expected.values()):>14,.0f}")
+        log0(f"  {kind:<15} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<12} {expected.get(kind, 0):>14,.0f}")
+    log0(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} {sum(expected.values()):>14,.0f}")
     if stage == 3:
-        log("  (stage 3: the root unit stays gathered from forward into backward, one all-gather fewer)")
-    if args.clip > 0 and stage >= 1:
-        log("  (all_reduce: the 4-byte sum of squares for clipping the global gradient norm)")
-    log(f"\nmedian step time {statistics.median(times) * 1e3:.1f} ms over {len(times)} steps")
-    if device.type == "cuda":
-        log("torch.cuda.max_memory_allocated per rank: " + ", ".join(f"{r[2] / 1e6:.1f} MB" for r in ranks))
+        log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather fewer)")
+    if args.clip > 0 and comm.get("all_reduce") and stage >= 1:
+        log0("  (all_reduce: the sum of squares for clipping by the global gradient norm)")
+    log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over {len(res['times'])} steps")
+    if res["cuda_peak"]:
+        log0("torch.cuda.max_memory_allocated per rank: " + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -751,8 +785,8 @@ def positive(kind):
     return parse
 
 
-def parse_args(argv=None):
-    p = Parser(description="Data parallel and ZeRO-1/2/3 from raw torch.distributed collectives.")
+def training_parser(description):
+    p = Parser(description=description)
     p.add_argument("--stage", type=int, default=3, choices=range(4), help="0 data parallel, 1-3 ZeRO (default 3)")
     p.add_argument("--steps", type=positive(int), default=30)
     p.add_argument("--seed", type=int, default=0)
@@ -767,12 +801,10 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl if every local rank has a GPU")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
-    p.add_argument("--estimate", action="store_true", help="print the per-rank memory formula and exit")
-    p.add_argument("--params", type=positive(float), help="Ψ for --estimate, e.g. 7.5e9")
-    p.add_argument("--world-size", type=positive(int), help="N for --estimate")
-    args = p.parse_args(argv)
-    if args.estimate and (args.params is None or args.world_size is None):
-        raise UsageError("--estimate needs --params and --world-size")
+    return p
+
+
+def check_args(args):
     if args.d_model % args.n_head:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
     if args.clip < 0:
@@ -781,16 +813,27 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    p = training_parser("Data parallel and ZeRO-1/2/3 from raw torch.distributed collectives.")
+    p.add_argument("--estimate", action="store_true", help="print the per-rank memory formula and exit")
+    p.add_argument("--params", type=positive(float), help="Ψ for --estimate, e.g. 7.5e9")
+    p.add_argument("--world-size", type=positive(int), help="N for --estimate")
+    args = check_args(p.parse_args(argv))
+    if args.estimate:
+        if args.params is None or args.world_size is None:
+            raise UsageError("--estimate needs --params and --world-size")
+        estimate(args.params, args.world_size)
+    else:
+        report(train(args), args)
+
+
+def run(main, argv=None):
+    """Run a command-line main: bad input is one line and exit code 2."""
     code = 0
     try:
-        args = parse_args(argv)
-        if args.estimate:
-            estimate(args.params, args.world_size)
-        else:
-            train(args)
+        main(argv)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"zero.py: error: {e}", file=sys.stderr)
+            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         code = 2
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -803,4 +846,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

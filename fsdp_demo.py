@@ -1,0 +1,229 @@
+"""
+fsdp_demo.py: the training of zero.py, done by PyTorch's own implementation of each stage.
+
+    torchrun --nproc_per_node=4 fsdp_demo.py --stage 3             # FSDP2, reshard_after_forward=True
+    torchrun --nproc_per_node=4 fsdp_demo.py --stage 3 --compare   # then zero.py's stage 3, side by side
+    torchrun --nproc_per_node=4 fsdp_demo.py --stage 2 --bf16      # FSDP2 with bf16 compute
+
+Same model, data, seed, training loop and measurements as zero.py: they are imported from it, so the
+only difference on this page is who shards. Per stage:
+
+    zero.py        PyTorch
+    DataParallel   DistributedDataParallel(model)
+    ZeRO1          DDP + torch.distributed.optim.ZeroRedundancyOptimizer (each parameter has one
+                   owner rank that keeps its Adam state and broadcasts it after the step: whole
+                   parameters handed out, not an even flat cut, so the shards are uneven)
+    ZeRO2          fully_shard(block, reshard_after_forward=False) per block, then the root.
+                   Close, not equal: FSDP2 keeps parameters sharded between steps and gathers each
+                   unit once per step (in forward, kept through backward); ZeRO-2 (and zero.py,
+                   and DeepSpeed) keep them whole and all-gather the updated shards after the step.
+                   Same bytes sent; FSDP2 holds less between steps, the same at the peak.
+    ZeRO3          fully_shard(block, reshard_after_forward=True) per block, then the root
+
+FSDP2's knobs and the zero.py code that does the same job:
+- fully_shard(module): one communication unit, i.e. one zero.Unit (zero.wrap's `units=`). The root
+  call takes whatever no block holds: zero.py's root unit.
+- reshard_after_forward=True: ZeRO3._post_forward frees the unit after forward, and the
+  multi-grad hook gathers it again before backward. False: the unit stays gathered until its
+  gradient is reduced (zero.py's stage 3 does this for its root unit only).
+- MixedPrecisionPolicy(param_dtype, reduce_dtype): zero.wrap(param_dtype=...), delivered later;
+  --bf16 here sets param_dtype=bfloat16, reduce_dtype=float32.
+- Implicit prefetch (the next unit's all-gather issued while the current one computes) and
+  set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: zero.py gathers each unit
+  only when its hook fires, without overlap (a later part of the project adds it).
+- set_requires_gradient_sync(False) for micro-batches without communication: zero.py's stages 0
+  and 1 already wait for step(); stages 2 and 3 reduce-scatter in every backward.
+- clip_grad_norm_ on DTensor gradients returns a DTensor norm (.full_tensor() reads it):
+  zero.py's clip_grad_norm_ all-reduces the sum of squares of the shards itself.
+- Parameters become DTensors sharded on dim 0 (each parameter cut separately, padded); zero.py cuts
+  one flat buffer per unit. Both give each rank 1/N of every unit.
+
+What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: communication/compute overlap
+and prefetch, bucketing, mixed precision (later parts of this project, kept out of the first
+reading); CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not another idea);
+hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
+communication (ZeRO++); activation checkpointing and ZeRO-R's activation partitioning
+(activations are not model state); DTensor state dicts and torch.distributed.checkpoint for
+resharding (zero.py's checkpoints are per rank); torch.compile integration. Each is an
+optimization on top of the three sharding ideas, and each would double the code to read.
+"""
+import functools
+import os
+import statistics
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zero
+
+PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
+                 "FSDP2 fully_shard(reshard_after_forward=False)", "FSDP2 fully_shard(reshard_after_forward=True)"]
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts the bytes of every c10d collective that runs while it is active, at the same ring
+    cost as zero.py's own counter (DataParallel._sent). FSDP2 and ZeroRedundancyOptimizer call
+    torch.distributed from Python, DDP's reducer from C++, DTensor uses functional collectives;
+    all of them go through the dispatcher as ops, and that is where this looks. Not seen: what
+    DTensor sends inside its own dispatch (a mode is switched off there), which here is only the
+    few bytes of clip_grad_norm_'s norm over FSDP2's sharded gradients."""
+
+    KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),  # (name, kind, ring cost x)
+             ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1)]
+
+    def __init__(self, world, comm):
+        super().__init__()
+        self.world, self.comm = world, comm
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first and
+        # reduce-scatter's input second. _c10d_functional.all_reduce, .all_gather_into_tensor, ...
+        # (DTensor's, e.g. for the gradient norm) take only the input: an all-gather's is 1/N of it.
+        functional = func.namespace == "_c10d_functional"
+        name = func.overloadpacket.__name__.replace("_", "")
+        for key, kind, times in self.KINDS if func.namespace == "c10d" or functional else []:
+            if key in name:
+                arg = 1 if key == "reducescatter" and not functional else 0
+                full = sum(t.numel() * t.element_size() for t in _flat(args[arg]))
+                full *= self.world if key == "allgather" and functional else 1
+                self.comm[kind] += times * (self.world - 1) * full / self.world
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(x):
+    return [t for item in x for t in _flat(item)] if isinstance(x, (list, tuple)) else [x]
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Torch:
+    """A PyTorch model and optimizer behind the interface zero.train measures (step, zero_grad,
+    clip_grad_norm_, memory_breakdown, full_state_dict, comm): the same measurements for both."""
+
+    def __init__(self, model, optimizer, world):
+        self.model, self.optimizer, self.world = model, optimizer, world
+        self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global numel
+        self.comm = Counter()
+        self.peak = {}  # the transient buffers live inside PyTorch's internals: not measured
+
+    def counting(self):
+        return CommCounter(self.world, self.comm)
+
+    def clip_grad_norm_(self, max_norm):
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: a DTensor norm
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def memory_breakdown(self):
+        """Bytes this rank holds, from the local shards of DTensors, as zero.py measures its own."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        local_optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's own
+        state = [v for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"params": zero._nbytes([_local(p) for p in params]),
+                "grads": zero._nbytes([_local(p.grad) for p in params if p.grad is not None]),
+                "optimizer": zero._nbytes([_local(v) for v in state])}
+
+    def full_state_dict(self):
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+                for n, p in self.model.named_parameters()}
+
+
+def pytorch(args, world):
+    """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
+    def build(model):
+        if args.stage <= 1:
+            # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
+            net = DDP(model, gradient_as_bucket_view=True)
+            optimizer = (zero.adamw(args)(model.parameters()) if args.stage == 0 else
+                         ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                                 lr=args.lr, weight_decay=0.1))
+        else:
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if args.bf16 else MixedPrecisionPolicy())
+            for block in model.blocks:  # PyTorch's FSDP2 example: each block, then the root
+                fully_shard(block, reshard_after_forward=args.stage == 3, mp_policy=mp)
+            fully_shard(model, reshard_after_forward=args.stage == 3, mp_policy=mp)
+            net, optimizer = model, zero.adamw(args)(model.parameters())
+        return net, Torch(model, optimizer, world), f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
+    return build
+
+
+def zero_counted(args, world, seen):
+    """build() for zero.train: zero.py's own stage, also counted at the dispatcher into `seen`,
+    as a check that both counters agree."""
+    def build(model):
+        opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks)
+        opt.counting = lambda: CommCounter(world, seen)
+        return model, opt, f"zero.py stage {args.stage} ({zero.STAGE_NAMES[args.stage]})"
+    return build
+
+
+def compare(args, keep_params=False):
+    """PyTorch's run, then zero.py's in the same processes; returns both results."""
+    world = zero.setup(args.backend, args.device, args.timeout)[1]
+    theirs = zero.train(args, pytorch(args, world), keep_params)
+    zero.report(theirs, args)
+    seen = Counter()
+    ours = zero.train(args, zero_counted(args, world, seen), keep_params)
+    zero.report(ours, args)
+    ours["comm_seen"] = {k: v / args.steps for k, v in seen.items()}
+    return theirs, ours
+
+
+def print_comparison(theirs, ours, args):
+    log = zero.log0
+    log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, N = {ours['world']}")
+    log(f"  {'step':>4}  {'loss PyTorch':>12}  {'loss zero.py':>12}  {'difference':>10}")
+    for i, (a, b) in enumerate(zip(theirs["losses"], ours["losses"]), 1):
+        log(f"  {i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>10.2e}")
+    log(f"  largest loss difference {max(abs(a - b) for a, b in zip(theirs['losses'], ours['losses'])):.2e}")
+    if theirs["full"] is not None:
+        diff = max((theirs["full"][n] - t).abs().max().item() for n, t in ours["full"].items())
+        log(f"  largest parameter difference after {args.steps} steps {diff:.2e}")
+    log(f"\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14} {'zero.py':>14} {'zero.py / PyTorch':>18}")
+    rows = [(f"{k} bytes", theirs["mem"][k], ours["mem"][k]) for k in ("params", "grads", "optimizer")]
+    rows.append(("model state bytes", sum(theirs["mem"].values()), sum(ours["mem"].values())))
+    rows.append(("bytes sent per step", sum(theirs["comm"].values()), sum(ours["comm"].values())))
+    rows.append(("median step time, ms", statistics.median(theirs["times"]) * 1e3, statistics.median(ours["times"]) * 1e3))
+    if ours["cuda_peak"]:
+        rows.append(("cuda max_memory_allocated", max(theirs["cuda_peak"]), max(ours["cuda_peak"])))
+    for name, a, b in rows:
+        log(f"  {name:<34} {a:>14,.1f} {b:>14,.1f} {b / a if a else float('nan'):>18.3f}")
+    log(f"  (bytes sent: PyTorch's counted at the dispatcher, zero.py's by itself; the dispatcher saw "
+        f"{sum(ours['comm_seen'].values()):,.1f} for zero.py)")
+    if args.stage == 2:
+        log("  (stage 2: FSDP2 keeps parameters sharded between steps, zero.py keeps them whole: see the docstring)")
+
+
+def main(argv=None):
+    p = zero.training_parser("The training of zero.py with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.")
+    p.add_argument("--bf16", action="store_true", help="FSDP2 MixedPrecisionPolicy(bfloat16, reduce float32)")
+    p.add_argument("--compare", action="store_true", help="also run zero.py's stage and print both side by side")
+    args = zero.check_args(p.parse_args(argv))
+    if args.bf16 and args.stage < 2:
+        raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only")
+    if args.bf16 and args.compare:
+        raise zero.UsageError("--compare with --bf16 needs zero.py's param_dtype, which is not implemented yet")
+    if args.compare:
+        theirs, ours = compare(args, keep_params=True)
+        print_comparison(theirs, ours, args)
+    else:
+        world = zero.setup(args.backend, args.device, args.timeout)[1]
+        zero.report(zero.train(args, pytorch(args, world)), args)
+
+
+if __name__ == "__main__":
+    zero.run(main)
