@@ -240,6 +240,8 @@ class DataParallel:
         unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
 
     def _on_grad(self, unit, p):
+        if self._reduced:  # adding local gradients to averaged ones would silently be wrong
+            raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): call zero_grad() first")
         # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
         unit.grad_view(p).add_(p.grad)
         p.grad = None
