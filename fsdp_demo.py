@@ -47,13 +47,11 @@ communication (ZeRO++); activation checkpointing and ZeRO-R's activation partiti
 resharding (zero.py's checkpoints are per rank); torch.compile integration. Each is an
 optimization on top of the three sharding ideas, and each would double the code to read.
 """
-import functools
-import os
+import gc
 import statistics
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -176,6 +174,7 @@ def compare(args, keep_params=False):
     world = zero.setup(args.backend, args.device, args.timeout)[1]
     theirs = zero.train(args, pytorch(args, world), keep_params)
     zero.report(theirs, args)
+    gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
     seen = Counter()
     ours = zero.train(args, zero_counted(args, world, seen), keep_params)
     zero.report(ours, args)
@@ -204,6 +203,10 @@ def print_comparison(theirs, ours, args):
         log(f"  {name:<34} {a:>14,.1f} {b:>14,.1f} {b / a if a else float('nan'):>18.3f}")
     log(f"  (bytes sent: PyTorch's counted at the dispatcher, zero.py's by itself; the dispatcher saw "
         f"{sum(ours['comm_seen'].values()):,.1f} for zero.py)")
+    if ours["cuda_peak"]:
+        for name, res in (("PyTorch", theirs), ("zero.py", ours)):
+            log(f"  torch.cuda.max_memory_allocated per rank, {name}: "
+                + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
     if args.stage == 2:
         log("  (stage 2: FSDP2 keeps parameters sharded between steps, zero.py keeps them whole: see the docstring)")
 

@@ -418,7 +418,7 @@ def test_pytorch_memory_and_communication(fsdp_ranks):
     res = results[0]
     psi = res[0]["ours"]["psi"]
     for stage in range(4):
-        theirs, ours = res[stage]["theirs"], res[stage]["ours"]
+        theirs = res[stage]["theirs"]
         assert theirs["psi"] == psi
         # FSDP2 (stages 2, 3) shards parameters between steps; DDP and ZeroRedundancyOptimizer don't
         assert theirs["mem"]["params"] == (4 * psi if stage < 2 else pytest.approx(4 * psi / world, rel=0.02))

@@ -87,7 +87,6 @@ def setup(backend=None, device=None, timeout_s=120):
     Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors.
     gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several ranks share
     one GPU; NCCL refuses that. Returns (rank, world_size, device)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count()
@@ -679,6 +678,8 @@ def train(args, build=None, keep_params=False):
     default is zero.wrap. fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2):
     same model, data, seed, loop and measurements, only the sharding differs."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
     torch.manual_seed(args.seed)
     model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
     if build is None:
@@ -722,14 +723,18 @@ def train(args, build=None, keep_params=False):
         losses.append(loss_sum.item() / world)
         log0(f"step {step:4d} | loss {losses[-1]:.6f} | {times[-1] * 1e3:8.1f} ms | "
              f"sent {sent / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
-    ranks = [None] * world  # every rank's measurements: the tables show the largest
-    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    dist.all_gather_object(ranks, (mem, dict(opt.peak), cuda_peak))
+    # Every rank's measurements, gathered as one int64 tensor each (all_gather_object would need
+    # numpy): params, grads, optimizer held; the same at their peak; CUDA's peak (-1: none).
+    kinds = ("params", "grads", "optimizer")
+    cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
+    mine = torch.tensor([mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak], device=device)
+    ranks = torch.empty(world * len(mine), dtype=mine.dtype, device=device)
+    dist.all_gather_into_tensor(ranks, mine)
+    most = ranks.view(world, -1).max(0).values.tolist()
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
             "times": times, "comm": {k: (v - start[k]) / args.steps for k, v in opt.comm.items()},
-            "mem": {k: max(r[0][k] for r in ranks) for k in mem},
-            "peak": {k: max(r[1].get(k, 0) for r in ranks) for k in mem} if ranks[0][1] else None,
-            "cuda_peak": [r[2] for r in ranks] if cuda_peak is not None else None,
+            "mem": dict(zip(kinds, most[:3])), "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
+            "cuda_peak": ranks.view(world, -1)[:, 6].tolist() if cuda_peak >= 0 else None,
             "full": opt.full_state_dict() if keep_params else None}
 
 
