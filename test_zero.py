@@ -106,7 +106,7 @@ def layout(opt):
 # What each rank runs
 
 def scenarios(rank, world):
-    out = {}
+    out, rows = {}, slice(rank * B, (rank + 1) * B)  # this rank's rows of every global batch
     for stage in range(4):
         for case in CASES:
             model, opt = wrapped(rank, stage, case, seed=100)
@@ -131,8 +131,7 @@ def scenarios(rank, world):
             def after_step():
                 rec["mem"] = opt.memory_breakdown()  # after the step, before zero_grad
                 comm.append(dict(opt.comm))
-            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B),
-                      world, STEPS, after_step=after_step)
+            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, after_step=after_step)
             rec["comm"] = [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]
             rec["full"] = opt.full_state_dict()
             rec["layout"] = layout(opt)
@@ -142,15 +141,15 @@ def scenarios(rank, world):
         # load_state_dict, 2 more steps; against 4 uninterrupted steps.
         case = "adamw"
         model, opt = wrapped(rank, stage, case, seed=100)
-        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B), world, 4)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 4)
         straight = opt.full_state_dict()
         model, opt = wrapped(rank, stage, case, seed=100)
-        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B), world, 2)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
         buf = io.BytesIO()
         torch.save(opt.state_dict(), buf)
         model, opt = wrapped(rank, stage, case, seed=500)
         opt.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
-        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], slice(rank * B, (rank + 1) * B), world, 2, start=2)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
         out[(stage, "resume")] = {"straight": straight, "resumed": opt.full_state_dict()}
     return out
 
