@@ -26,8 +26,10 @@ FSDP2's knobs and the zero.py code that does the same job:
 - reshard_after_forward=True: ZeRO3._post_forward frees the unit after forward, and the
   multi-grad hook gathers it again before backward. False: the unit stays gathered until its
   gradient is reduced (zero.py's stage 3 does this for its root unit only).
-- MixedPrecisionPolicy(param_dtype, reduce_dtype): zero.wrap(param_dtype=...), delivered later;
-  --bf16 here sets param_dtype=bfloat16, reduce_dtype=float32.
+- MixedPrecisionPolicy(param_dtype, reduce_dtype): zero.wrap(param_dtype=..., reduce_dtype=...);
+  --bf16 sets param_dtype=bfloat16, reduce_dtype=float32 on both sides. FSDP2 keeps its sharded
+  parameters in fp32 (they are the master copy) and casts a bf16 copy per unit for compute;
+  zero.py keeps the bf16 shard and an fp32 master beside it, as the paper does.
 - Implicit prefetch (the next unit's all-gather issued while the current one computes) and
   set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: zero.py gathers each unit
   only when its hook fires, without overlap (a later part of the project adds it).
@@ -163,7 +165,8 @@ def zero_counted(args, world, seen):
     """build() for zero.train: zero.py's own stage, also counted at the dispatcher into `seen`,
     as a check that both counters agree."""
     def build(model):
-        opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks)
+        opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks,
+                        param_dtype=torch.bfloat16 if args.bf16 else None)
         opt.counting = lambda: CommCounter(world, seen)
         return model, opt, f"zero.py stage {args.stage} ({zero.STAGE_NAMES[args.stage]})"
     return build
@@ -213,13 +216,10 @@ def print_comparison(theirs, ours, args):
 
 def main(argv=None):
     p = zero.training_parser("The training of zero.py with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.")
-    p.add_argument("--bf16", action="store_true", help="FSDP2 MixedPrecisionPolicy(bfloat16, reduce float32)")
     p.add_argument("--compare", action="store_true", help="also run zero.py's stage and print both side by side")
     args = zero.check_args(p.parse_args(argv))
     if args.bf16 and args.stage < 2:
         raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only")
-    if args.bf16 and args.compare:
-        raise zero.UsageError("--compare with --bf16 needs zero.py's param_dtype, which is not implemented yet")
     if args.compare:
         theirs, ours = compare(args, keep_params=True)
         print_comparison(theirs, ours, args)

@@ -142,11 +142,18 @@ class Unit:
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module now computes with the view
             self.offset[p], o = o, o + p.numel()
         self.mine = slice(rank * self.S, (rank + 1) * self.S)  # the elements this rank owns
-        self.shard = self.flat[self.mine]  # [S] what the optimizer steps on this rank
+        self.shard = self.flat[self.mine]  # [S] this rank's part of the parameters
+        self.master = self.shard           # [S] what the optimizer steps: the shard, or its fp32 copy
         self.grad = None                   # [N*S] the full gradient, when this rank holds one
         self.grad_shard = None             # [S] the owned 1/N of the averaged gradient
         self.ready = 0                     # parameters whose gradient arrived in this backward
         self.users = 0                     # stage 3: modules computing with the gathered unit now
+
+    def cast(self, dtype):
+        """Mixed precision: compute with a copy in `dtype`; the fp32 values stay with the optimizer."""
+        self.flat = self.flat.to(dtype)
+        for p in self.params:
+            p.data = self.flat[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
 
     def grad_view(self, p):
         return self.grad[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
@@ -184,10 +191,13 @@ class DataParallel:
 
     stage = 0
 
-    def __init__(self, model, optimizer, units=None, param_dtype=None):
-        if param_dtype is not None:
-            raise NotImplementedError("zero: param_dtype (bf16 mixed precision) is not implemented yet")
+    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None):
         self.model = model
+        # Mixed precision (the paper's accounting): compute, gradients and all-gathers in
+        # param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over N ranks in
+        # bf16 loses bits), and an fp32 master copy of this rank's shard for the optimizer, which
+        # makes K = 4 + 8 = 12 bytes for Adam. None: everything stays in the model's dtype.
+        self.reduce_dtype = reduce_dtype or (torch.float32 if param_dtype is not None else None)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.comm = Counter()  # bytes this rank has sent, per collective kind (ring cost, see _sent)
         self.peak = Counter()  # largest memory_breakdown() value seen, per kind
@@ -198,8 +208,19 @@ class DataParallel:
         # (One-off set-up traffic, not counted in the per-step numbers.)
         for t in [u.flat for u in self.units] + [t for _, t in self._replicated()]:
             dist.broadcast(t.data, src=0)
+        if param_dtype is not None:
+            for n, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(param_dtype)  # frozen weights compute in param_dtype too
+            for m in [model] + self.unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
+                m.register_forward_pre_hook(functools.partial(_cast_inputs, param_dtype))
         for unit in self.units:
+            full32 = unit.flat
+            if param_dtype is not None:
+                unit.cast(param_dtype)
             self._shard(unit)
+            if param_dtype is not None:  # [S] fp32, or the whole [N*S] in stage 0
+                unit.master = full32[self._owned(unit)].clone()
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
         # The optimizer only ever sees flat tensors: the whole flat buffer here, this rank's shard
@@ -211,8 +232,9 @@ class DataParallel:
         # full tensor, or shards cut along tensor boundaries plus extra communication.
         # (Per-parameter groups, e.g. no weight decay on biases, are not possible for the same reason.)
         for u in self.units:
-            u.shard.grad = u.grad_shard
-        self.optimizer = optimizer([u.shard for u in self.units])
+            if u.master is u.shard:  # mixed precision: step() hands over an fp32 copy of the gradient
+                u.master.grad = u.grad_shard
+        self.optimizer = optimizer([u.master for u in self.units])
         self._reduced = False
 
     def _make_units(self, model, modules):
@@ -235,8 +257,14 @@ class DataParallel:
     def _shard(self, unit):
         # Stage 0 shards nothing: the "shard" this rank steps is the whole flat buffer, and the
         # full gradient lives as long as the model (4Ψ bytes in fp32).
-        unit.shard = unit.flat
+        unit.shard = unit.master = unit.flat
         unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
+
+    def _owned(self, unit):
+        return slice(None)  # the elements of a unit this rank steps: all of them
+
+    def _for_reduce(self, grad):
+        return grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)  # no copy if equal
 
     def _on_grad(self, unit, p):
         if self._reduced:  # adding local gradients to averaged ones would silently be wrong
@@ -256,9 +284,10 @@ class DataParallel:
         if self._reduced:
             return
         for unit in self.units:
-            dist.all_reduce(unit.grad)  # [N*S] sum over ranks, then / N: the global-batch mean
-            self._sent("all_reduce", unit.grad)
-            unit.grad.div_(self.world)
+            g = self._for_reduce(unit.grad)
+            dist.all_reduce(g)  # [N*S] sum over ranks, then / N: the global-batch mean
+            self._sent("all_reduce", g)
+            unit.grad.copy_(g.div_(self.world))
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -277,7 +306,13 @@ class DataParallel:
 
     def step(self):
         self._reduce_grads()
+        mixed = [u for u in self.units if u.master is not u.shard]
+        for u in mixed:
+            u.master.grad = u.grad_shard.to(u.master.dtype)  # [S] fp32, for the step only
         self.optimizer.step()
+        for u in mixed:
+            u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
+            u.master.grad = None
         self._gather_params()
         self._track_peak()
 
@@ -296,6 +331,7 @@ class DataParallel:
         allocated (a view counts once, a freed buffer counts 0). Frozen parameters and buffers are
         not model state that ZeRO shards and are not counted."""
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        state += [u.master for u in self.units if u.master is not u.shard]  # the fp32 master copy
         return {"params": _nbytes([u.flat for u in self.units] + [u.shard for u in self.units]),
                 "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]),
                 "optimizer": _nbytes(state)}
@@ -306,14 +342,21 @@ class DataParallel:
 
     def full_state_dict(self):
         """{name: full float32 tensor} for every parameter (tied ones once, frozen ones too), on
-        every rank."""
-        return {name: p.detach().float().clone() for name, p in self.model.named_parameters()}
+        every rank; in mixed precision, the fp32 master values."""
+        full = {}
+        for unit in self.units:  # one unit at a time: stage 3 never holds the whole model at once
+            flat = self._full_master(unit)
+            full.update({p: flat[unit.offset[p]:unit.offset[p] + p.numel()].view_as(p).clone() for p in unit.params})
+        return {n: full[p] if p in full else p.detach().float().clone() for n, p in self.model.named_parameters()}
+
+    def _full_master(self, unit):
+        return unit.master.float()  # [N*S]: every rank steps the whole unit
 
     def state_dict(self):
         """This rank's shard of the parameters and its optimizer state, plus the frozen parameters
         and buffers every rank holds: what a rank needs to continue."""
         return {"stage": self.stage, "world_size": self.world, "rank": self.rank,
-                "shards": [u.shard.detach().clone() for u in self.units],
+                "shards": [u.master.detach().clone() for u in self.units],
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "replicated": {n: t.detach().clone() for n, t in self._replicated()}}
 
@@ -324,13 +367,14 @@ class DataParallel:
 
     def load_state_dict(self, sd):
         """Load what state_dict() wrote on this rank, for the same model, stage and world size."""
-        want = (self.stage, self.world, self.rank, [u.S if self.stage else u.flat.numel() for u in self.units])
+        want = (self.stage, self.world, self.rank, [u.master.numel() for u in self.units])
         got = (sd.get("stage"), sd.get("world_size"), sd.get("rank"), [s.numel() for s in sd.get("shards", [])])
         if want != got:
             raise ValueError(f"zero: state dict (stage, world size, rank, shard sizes) = {got}, this model is {want}")
         with torch.no_grad():
             for u, s in zip(self.units, sd["shards"]):
-                u.shard.copy_(s)
+                u.master.copy_(s)
+                u.shard.copy_(u.master)  # the same tensor, unless mixed precision
             for n, t in self._replicated():
                 t.copy_(sd["replicated"][n])
         self.optimizer.load_state_dict(sd["optimizer"])
@@ -354,8 +398,11 @@ class ZeRO1(DataParallel):
 
     def _shard(self, unit):
         super()._shard(unit)                            # full gradient buffer, as in stage 0...
-        unit.shard = unit.flat[unit.mine]               # ...but the optimizer sees this rank's [S]
+        unit.shard = unit.master = unit.flat[unit.mine]  # ...but the optimizer sees this rank's [S]
         unit.grad_shard = unit.grad[unit.mine]          # and its [S] of the gradient: views, no copy
+
+    def _owned(self, unit):
+        return unit.mine
 
     def _reduce_grads(self):
         if self._reduced:
@@ -363,9 +410,10 @@ class ZeRO1(DataParallel):
         for unit in self.units:
             # In place: input is the full [N*S] gradient, output is this rank's [S] slice of it.
             # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
-            dist.reduce_scatter_tensor(unit.grad_shard, unit.grad)
-            self._sent("reduce_scatter", unit.grad)
-            unit.grad_shard.div_(self.world)
+            g = self._for_reduce(unit.grad)
+            dist.reduce_scatter_tensor(g[unit.mine], g)
+            self._sent("reduce_scatter", g)
+            unit.grad_shard.copy_(g[unit.mine].div_(self.world))
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -381,6 +429,12 @@ class ZeRO1(DataParallel):
             # of flat, and receives everyone else's.
             dist.all_gather_into_tensor(unit.flat, unit.shard)
             self._sent("all_gather", unit.flat)
+
+    def _full_master(self, unit):
+        full = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
+        dist.all_gather_into_tensor(full, unit.master)  # [N*S] <- every rank's [S]
+        self._sent("all_gather", full)
+        return full.float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,7 +455,7 @@ class ZeRO2(ZeRO1):
     _end_queued = False  # is _end_of_backward already queued for the backward now running?
 
     def _shard(self, unit):
-        unit.shard = unit.flat[unit.mine]
+        unit.shard = unit.master = unit.flat[unit.mine]
         unit.grad = None                                # allocated per backward, freed when reduced
         unit.grad_shard = torch.zeros_like(unit.shard)  # [S] accumulates over backward calls
 
@@ -418,9 +472,10 @@ class ZeRO2(ZeRO1):
             self._reduce_unit(unit)
 
     def _reduce_unit(self, unit):
-        mine = unit.grad[unit.mine]
-        dist.reduce_scatter_tensor(mine, unit.grad)     # in place, as in ZeRO1
-        self._sent("reduce_scatter", unit.grad)
+        g = self._for_reduce(unit.grad)
+        mine = g[unit.mine]
+        dist.reduce_scatter_tensor(mine, g)             # in place, as in ZeRO1
+        self._sent("reduce_scatter", g)
         unit.grad_shard.add_(mine.div_(self.world))
         unit.grad, unit.ready = None, 0                 # the only reference: the [N*S] buffer is freed
 
@@ -469,7 +524,7 @@ class ZeRO3(ZeRO2):
 
     def _shard(self, unit):
         super()._shard(unit)
-        unit.shard = unit.shard.clone()  # [S] in storage of its own, which survives the free below
+        unit.shard = unit.master = unit.shard.clone()  # [S] in storage of its own: survives the free
         self._free(unit)
 
     def _gather(self, unit):
@@ -520,16 +575,9 @@ class ZeRO3(ZeRO2):
             if unit.users == 0:
                 self._free(unit)
 
-    def full_state_dict(self):
-        full = {}
-        for unit in self.units:  # one unit at a time, never the whole model at once
-            was_gathered = unit.flat.untyped_storage().nbytes() > 0
-            self._gather(unit)
-            full.update({p: p.detach().float().clone() for p in unit.params})
-            if not was_gathered:
-                self._free(unit)
-        return {n: full[p] if p in full else p.detach().float().clone()
-                for n, p in self.model.named_parameters()}
+
+def _cast_inputs(dtype, module, args):
+    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def _tensors(x):
@@ -544,18 +592,20 @@ def _tensors(x):
 STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
-def wrap(model, stage, optimizer, units=None, param_dtype=None):
+def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with.
 
     optimizer: builds a torch optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3);
     the torch optimizer itself is `.optimizer` (attach LR schedulers to that).
-    units: the modules communicated as one (stage 3 gathers them one by one); default_units(model)."""
+    units: the modules communicated as one (stage 3 gathers them one by one); default_units(model).
+    param_dtype: e.g. torch.bfloat16 for mixed precision; reduce_dtype: of the gradient reductions
+    (default float32 in mixed precision)."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
         setup()
-    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype)
+    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,14 +623,15 @@ def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8
             "optimizer": optim_bytes * psi / (world if stage >= 1 else 1)}
 
 
-def comm_formula(stage, psi, world, elem_bytes=4, micro_batches=1):
+def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1):
     """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k micro-batches
     stages 2 and 3 reduce-scatter in every backward, and stage 3 gathers in every forward and backward."""
-    ring, k = (world - 1) / world * psi * elem_bytes, micro_batches
-    return [{"all_reduce": 2 * ring},
-            {"reduce_scatter": ring, "all_gather": ring},
-            {"reduce_scatter": k * ring, "all_gather": ring},
-            {"reduce_scatter": k * ring, "all_gather": 2 * k * ring}][stage]
+    ring, k = (world - 1) / world * psi, micro_batches
+    g, r = ring * gather_bytes, ring * reduce_bytes
+    return [{"all_reduce": 2 * r},
+            {"reduce_scatter": r, "all_gather": g},
+            {"reduce_scatter": k * r, "all_gather": g},
+            {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
 
 
 def estimate(psi, world):
@@ -592,7 +643,7 @@ def estimate(psi, world):
     traffic = ["2Ψ(N-1)/N", "2Ψ(N-1)/N", "2Ψ(N-1)/N", "3Ψ(N-1)/N"]
     for stage in range(4):
         m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12).items()}
-        elements = sum(comm_formula(stage, psi, world, 1).values())
+        elements = sum(comm_formula(stage, psi, world, 1, 1).values())
         print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<30} {m['params']:>7.2f} GB {m['grads']:>7.2f} GB "
               f"{m['optimizer']:>7.2f} GB {sum(m.values()):>7.1f} GB   {traffic[stage]} = {elements:.3g} elements")
 
@@ -683,7 +734,8 @@ def train(args, build=None, keep_params=False):
     torch.manual_seed(args.seed)
     model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
     if build is None:
-        net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks)
+        net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
+                               param_dtype=torch.bfloat16 if args.bf16 else None)
         label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     else:
         net, opt, label = build(model)
@@ -693,8 +745,8 @@ def train(args, build=None, keep_params=False):
               ("Ψ", f"{opt.psi:,} trainable parameters"),
               ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
                         f"bytes of {os.path.basename(__file__)}"),
-              ("dtype, optimizer", f"{'bfloat16 compute, ' if getattr(args, 'bf16', False) else ''}"
-                                   f"float32, AdamW (state m, v: 8 bytes per parameter)"),
+              ("dtype, optimizer", "bfloat16 compute, float32 master weights and reductions, AdamW"
+                                   if args.bf16 else "float32, AdamW (state m, v: 8 bytes per parameter)"),
               ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                                f"{args.grad_accum} micro-batch(es)")]))
     # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count theirs
@@ -740,23 +792,25 @@ def train(args, build=None, keep_params=False):
 
 def report(res, args):
     psi, stage, world, k = res["psi"], res["stage"], res["world"], args.grad_accum
-    formula = memory_formula(stage, psi, world)
-    labels = {"params": "4Ψ" + "/N" * (stage >= 3), "grads": "4Ψ" + "/N" * (stage >= 2),
-              "optimizer": "8Ψ" + "/N" * (stage >= 1)}
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter: the paper's, or fp32
+    formula = memory_formula(stage, psi, world, pb, gb, ob)
+    labels = {"params": f"{pb}Ψ" + "/N" * (stage >= 3), "grads": f"{gb}Ψ" + "/N" * (stage >= 2),
+              "optimizer": f"{ob}Ψ" + "/N" * (stage >= 1)}
     peak = res["peak"] or {}
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
-         f" formula: fp32 AdamW)")
+         f" formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)")
     log0(f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
     for kind in ("params", "grads", "optimizer"):
         log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
              f"   {format(peak[kind], ',') if peak else 'not measured':>18}")
-    total = ["16Ψ", "8Ψ + 8Ψ/N", "4Ψ + 12Ψ/N", "16Ψ/N"][stage]  # fp32 AdamW: 4 + 4 + 8 bytes
+    total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/N", f"{pb}Ψ + {gb + ob}Ψ/N", f"{pb + gb + ob}Ψ/N"][stage]
     log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} {sum(formula.values()):>12,.0f}")
     log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient full-unit\n"
          "   gradients of stage 2 and the gathered units of stage 3)")
-    log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; formula: fp32;"
+    log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} bytes,"
+         f" reductions in 4;"
          f" N = {world}, k = {k} micro-batches)")
-    expected, comm = comm_formula(stage, psi, world, 4, k), res["comm"]
+    expected, comm = comm_formula(stage, psi, world, pb, 4, k), res["comm"]
     names = {"all_reduce": "2Ψ(N-1)/N" if stage == 0 else "-",
              "reduce_scatter": f"{k}·Ψ(N-1)/N" if stage >= 2 else "Ψ(N-1)/N",
              "all_gather": f"{2 * k}·Ψ(N-1)/N" if stage == 3 else "Ψ(N-1)/N"}
@@ -808,6 +862,7 @@ def training_parser(description):
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl if every local rank has a GPU")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
+    p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
     return p
 
 
