@@ -166,7 +166,7 @@ def zero_counted(args, world, seen):
     as a check that both counters agree."""
     def build(model):
         opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks,
-                        param_dtype=torch.bfloat16 if args.bf16 else None)
+                        param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap)
         opt.counting = lambda: CommCounter(world, seen)
         return model, opt, f"zero.py stage {args.stage} ({zero.STAGE_NAMES[args.stage]})"
     return build

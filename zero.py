@@ -148,6 +148,7 @@ class Unit:
         self.grad_shard = None             # [S] the owned 1/N of the averaged gradient
         self.ready = 0                     # parameters whose gradient arrived in this backward
         self.users = 0                     # stage 3: modules computing with the gathered unit now
+        self.work = None                   # stage 3: an all-gather in flight (a prefetch)
 
     def cast(self, dtype):
         """Mixed precision: compute with a copy in `dtype`; the fp32 values stay with the optimizer."""
@@ -191,8 +192,10 @@ class DataParallel:
 
     stage = 0
 
-    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None):
+    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True):
         self.model = model
+        self.overlap = overlap  # stages 2 and 3: communicate while autograd computes (see ZeRO2, ZeRO3)
+        self._in_flight = []    # stage 2: reduce-scatters launched, not yet added into the shards
         # Mixed precision (the paper's accounting): compute, gradients and all-gathers in
         # param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over N ranks in
         # bf16 loses bits), and an fp32 master copy of this rank's shard for the optimizer, which
@@ -333,7 +336,8 @@ class DataParallel:
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         state += [u.master for u in self.units if u.master is not u.shard]  # the fp32 master copy
         return {"params": _nbytes([u.flat for u in self.units] + [u.shard for u in self.units]),
-                "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]),
+                "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]
+                                 + [mine for _, _, mine in self._in_flight]),
                 "optimizer": _nbytes(state)}
 
     def _track_peak(self):
@@ -474,10 +478,23 @@ class ZeRO2(ZeRO1):
     def _reduce_unit(self, unit):
         g = self._for_reduce(unit.grad)
         mine = g[unit.mine]
-        dist.reduce_scatter_tensor(mine, g)             # in place, as in ZeRO1
+        work = dist.reduce_scatter_tensor(mine, g, async_op=self.overlap)  # in place, as in ZeRO1
         self._sent("reduce_scatter", g)
-        unit.grad_shard.add_(mine.div_(self.world))
-        unit.grad, unit.ready = None, 0                 # the only reference: the [N*S] buffer is freed
+        unit.grad, unit.ready = None, 0  # dropped here; `mine` keeps the [N*S] buffer until added
+        self._in_flight.append((work, unit, mine))
+        self._add_reduced(wait=not self.overlap)
+
+    def _add_reduced(self, wait=True):
+        # Overlap: with async_op=True the reduce-scatter runs on the backend's own thread while
+        # autograd goes on computing the next unit's gradients. Each in flight holds its [N*S]
+        # buffer, so as FSDP2 does we keep one in flight: launching the next waits for the last.
+        # They are added into the shards oldest first, the same order as without overlap, so the
+        # sums are bit-identical; the [N*S] buffer is freed then.
+        while self._in_flight and (wait or len(self._in_flight) > 1 or self._in_flight[0][0].is_completed()):
+            work, unit, mine = self._in_flight.pop(0)
+            if work is not None:
+                work.wait()
+            unit.grad_shard.add_(mine.div_(self.world))
 
     def _end_of_backward(self):
         # Runs once when the autograd engine finishes a backward. Units that some parameter of
@@ -488,9 +505,10 @@ class ZeRO2(ZeRO1):
         for unit in self.units:
             if unit.grad is not None:
                 self._reduce_unit(unit)
+        self._add_reduced()  # the end of backward is where overlap waits
 
     def _reduce_grads(self):
-        pass  # already done, unit by unit, during backward
+        self._add_reduced()  # nothing left normally: done, unit by unit, during backward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,6 +535,9 @@ class ZeRO3(ZeRO2):
         needs = {model: [u for u in self.units if u.module is None]}
         for m in self.unit_modules:
             needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
+        # Prefetch: the order in which modules gather their units, recorded in the first forward.
+        self._order, self._calls, self._open = None, [], []
+        model.register_forward_pre_hook(self._start_forward)
         for module, units in needs.items():
             if units:
                 module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
@@ -527,26 +548,49 @@ class ZeRO3(ZeRO2):
         unit.shard = unit.master = unit.shard.clone()  # [S] in storage of its own: survives the free
         self._free(unit)
 
-    def _gather(self, unit):
+    def _gather(self, unit, prefetch=False):
         if unit.flat.untyped_storage().nbytes() == 0:
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            dist.all_gather_into_tensor(unit.flat, unit.shard)  # [N*S] <- N x [S]
+            unit.work = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
             self._sent("all_gather", unit.flat)
             self._track_peak()
+        if unit.work is not None and not prefetch:  # needed now: wait for the prefetch to land
+            unit.work.wait()
+            unit.work = None
+
+    def _prefetch(self, call):
+        # Overlap: start gathering the units of the module that computes next (call + 1 in
+        # forward, call - 1 in backward) while this one computes. Costs one more unit of memory.
+        if self.overlap and self._order and 0 <= call < len(self._order):
+            for u in self._order[call]:
+                self._gather(u, prefetch=True)
+
+    def _start_forward(self, model, args):
+        if self._order is None and self._calls:
+            self._order = self._calls  # the first forward's order serves every later step
+        self._calls = []
 
     def _free(self, unit):
         # Gotcha: `p.data = torch.empty(0)` would not free anything while autograd still holds
         # the parameter for backward. Shrinking the storage itself frees the memory under every
         # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
         # autograd saved sees the gathered values again in backward.
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
         unit.flat.untyped_storage().resize_(0)
 
     def _pre_forward(self, units, module, args):
+        call = len(self._calls)  # this module's place in the order of gathers
+        self._calls.append(units)
+        self._open.append(call)
         for u in units:
             u.users += 1
             self._gather(u)
+        self._prefetch(call + 1)
 
     def _post_forward(self, units, module, args, output):
+        call = self._open.pop()
         training = torch.is_grad_enabled()
         for u in units:
             u.users -= 1
@@ -555,7 +599,12 @@ class ZeRO3(ZeRO2):
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if training and tensors:  # fires when backward reaches this module's output: gather again
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grad: [self._gather(u) for u in units], mode="any")
+                tensors, functools.partial(self._pre_backward, units, call), mode="any")
+
+    def _pre_backward(self, units, call, grad):
+        for u in units:
+            self._gather(u)
+        self._prefetch(call - 1)
 
     def _reduce_unit(self, unit):
         super()._reduce_unit(unit)
@@ -592,7 +641,7 @@ def _tensors(x):
 STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
-def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None):
+def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with.
 
@@ -600,12 +649,13 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     the torch optimizer itself is `.optimizer` (attach LR schedulers to that).
     units: the modules communicated as one (stage 3 gathers them one by one); default_units(model).
     param_dtype: e.g. torch.bfloat16 for mixed precision; reduce_dtype: of the gradient reductions
-    (default float32 in mixed precision)."""
+    (default float32 in mixed precision). overlap: communicate while computing (stages 2 and 3)."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
         setup()
-    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                         overlap=overlap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -735,7 +785,7 @@ def train(args, build=None, keep_params=False):
     model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
     if build is None:
         net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
-                               param_dtype=torch.bfloat16 if args.bf16 else None)
+                               param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap)
         label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     else:
         net, opt, label = build(model)
@@ -863,6 +913,7 @@ def training_parser(description):
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
+    p.add_argument("--no-overlap", action="store_true", help="stages 2, 3: wait for each collective (no async, no prefetch)")
     return p
 
 
