@@ -49,11 +49,14 @@ communication (ZeRO++); activation checkpointing and ZeRO-R's activation partiti
 resharding (zero.py's checkpoints are per rank); torch.compile integration. Each is an
 optimization on top of the three sharding ideas, and each would double the code to read.
 """
+import argparse
+import contextlib
 import gc
 import statistics
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -108,13 +111,18 @@ class Torch:
     """A PyTorch model and optimizer behind the interface zero.train measures (step, zero_grad,
     clip_grad_norm_, memory_breakdown, full_state_dict, comm): the same measurements for both."""
 
-    def __init__(self, model, optimizer, world):
+    def __init__(self, model, optimizer, world, count_steps=None):
         self.model, self.optimizer, self.world = model, optimizer, world
+        self.count_steps = count_steps  # --bench counts only the first step: the mode costs time
         self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global numel
         self.comm = Counter()
         self.peak = {}  # the transient buffers live inside PyTorch's internals: not measured
 
     def counting(self):
+        if self.count_steps is not None:
+            self.count_steps -= 1
+            if self.count_steps < 0:
+                return contextlib.nullcontext()
         return CommCounter(self.world, self.comm)
 
     def clip_grad_norm_(self, max_norm):
@@ -141,7 +149,7 @@ class Torch:
                 for n, p in self.model.named_parameters()}
 
 
-def pytorch(args, world):
+def pytorch(args, world, count_steps=None):
     """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
     def build(model):
         if args.stage <= 1:
@@ -157,7 +165,7 @@ def pytorch(args, world):
                 fully_shard(block, reshard_after_forward=args.stage == 3, mp_policy=mp)
             fully_shard(model, reshard_after_forward=args.stage == 3, mp_policy=mp)
             net, optimizer = model, zero.adamw(args)(model.parameters())
-        return net, Torch(model, optimizer, world), f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
+        return net, Torch(model, optimizer, world, count_steps), f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
     return build
 
 
@@ -214,13 +222,56 @@ def print_comparison(theirs, ours, args):
         log("  (stage 2: FSDP2 keeps parameters sharded between steps, zero.py keeps them whole: see the docstring)")
 
 
+BENCH_MODELS = [("default", {}),  # and 4 blocks of width 1024: 50.6M parameters
+                ("50M", dict(d_model=1024, n_layer=4, n_head=16, seq_len=32, batch_size=2))]
+
+
+def bench(args):
+    """--bench: each zero.py stage against its PyTorch counterpart, on the default model and on a
+    50M-parameter one, in one launch: the two alternate, args.repeats times, and the table gives
+    medians over every timed step. The first step of each run warms up and is the one whose bytes
+    are counted (PyTorch's at the dispatcher: that mode slows what it watches), so no timed step
+    is counted and no counted step is timed. Printed only; the tests never assert a timing."""
+    world = zero.setup(args.backend, args.device, args.timeout)[1]
+    rows = []
+    for name, size in BENCH_MODELS:
+        for stage in range(4):
+            a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": max(args.steps, 2)})
+            runs = {"PyTorch": [], "zero.py": []}
+            for _ in range(args.repeats):
+                for who, build in (("PyTorch", pytorch(a, world, count_steps=1)), ("zero.py", None)):
+                    runs[who].append(zero.train(a, build, quiet=True))
+                    gc.collect()
+            med = {who: statistics.median(t for r in rs for t in r["times"][1:]) for who, rs in runs.items()}
+            last = {who: rs[-1] for who, rs in runs.items()}
+            rows.append((name, stage, last["zero.py"]["psi"], med, last))
+            zero.log0(f"  measured {name} stage {stage}: zero.py / PyTorch = {med['zero.py'] / med['PyTorch']:.3f}")
+    log = zero.log0
+    log(f"\n--bench: N = {world} ({dist.get_backend()}), fp32 AdamW, {args.repeats} alternating runs x "
+        f"{max(args.steps, 2) - 1} timed steps each; bytes per rank (largest over ranks)")
+    log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9} {'ratio':>6}"
+        f" {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13} {'sent zero':>11} {'formula':>11}")
+    for name, stage, psi, med, last in rows:
+        formula = sum(zero.comm_formula(stage, psi, world).values())
+        log(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {med['PyTorch'] * 1e3:>10.1f} {med['zero.py'] * 1e3:>9.1f}"
+            f" {med['zero.py'] / med['PyTorch']:>6.3f} {sum(last['PyTorch']['mem'].values()):>14,}"
+            f" {sum(last['zero.py']['mem'].values()):>12,} {last['PyTorch']['sent'][0]:>13,.0f}"
+            f" {last['zero.py']['sent'][0]:>11,.0f} {formula:>11,.0f}")
+    log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params + grads"
+        " + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or 3Ψ (N-1)/N x 4 bytes")
+
+
 def main(argv=None):
     p = zero.training_parser("The training of zero.py with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.")
     p.add_argument("--compare", action="store_true", help="also run zero.py's stage and print both side by side")
+    p.add_argument("--bench", action="store_true", help="every stage vs PyTorch, default and 50M models, timed")
+    p.add_argument("--repeats", type=zero.positive(int), default=3, help="--bench: alternating runs per pair")
     args = zero.check_args(p.parse_args(argv))
-    if args.bf16 and args.stage < 2:
-        raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only")
-    if args.compare:
+    if args.bf16 and (args.stage < 2 or args.bench):
+        raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, not --bench")
+    if args.bench:
+        bench(args)
+    elif args.compare:
         theirs, ours = compare(args, keep_params=True)
         print_comparison(theirs, ours, args)
     else:

@@ -772,7 +772,7 @@ def log0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def train(args, build=None, keep_params=False):
+def train(args, build=None, keep_params=False, quiet=False):
     """Train the demo model and return what was measured (gathered from every rank).
 
     build(model) -> (callable model, optimizer, label) chooses how the model is parallelized; the
@@ -790,7 +790,8 @@ def train(args, build=None, keep_params=False):
     else:
         net, opt, label = build(model)
     data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
-    log0(box([("run", label),
+    log = (lambda *a, **k: None) if quiet else log0
+    log(box([("run", label),
               ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
               ("Ψ", f"{opt.psi:,} trainable parameters"),
               ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
@@ -802,7 +803,7 @@ def train(args, build=None, keep_params=False):
     # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count theirs
     # at the dispatcher, inside this context, which leaves out the logging all-reduce below.
     counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
-    times, losses, mem, start = [], [], None, Counter(opt.comm)
+    times, losses, sent, mem, start = [], [], [], None, Counter(opt.comm)
     for step in range(1, args.steps + 1):
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         loss_sum = torch.zeros((), device=device)
@@ -820,11 +821,11 @@ def train(args, build=None, keep_params=False):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        sent = sum(opt.comm.values()) - sent0
+        sent.append(sum(opt.comm.values()) - sent0)
         dist.all_reduce(loss_sum)  # the global-batch loss, for the log line only (not counted)
         losses.append(loss_sum.item() / world)
-        log0(f"step {step:4d} | loss {losses[-1]:.6f} | {times[-1] * 1e3:8.1f} ms | "
-             f"sent {sent / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
+        log(f"step {step:4d} | loss {losses[-1]:.6f} | {times[-1] * 1e3:8.1f} ms | "
+            f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
     # Every rank's measurements, gathered as one int64 tensor each (all_gather_object would need
     # numpy): params, grads, optimizer held; the same at their peak; CUDA's peak (-1: none).
     kinds = ("params", "grads", "optimizer")
@@ -834,7 +835,7 @@ def train(args, build=None, keep_params=False):
     dist.all_gather_into_tensor(ranks, mine)
     most = ranks.view(world, -1).max(0).values.tolist()
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
-            "times": times, "comm": {k: (v - start[k]) / args.steps for k, v in opt.comm.items()},
+            "times": times, "sent": sent, "comm": {k: (v - start[k]) / args.steps for k, v in opt.comm.items()},
             "mem": dict(zip(kinds, most[:3])), "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": ranks.view(world, -1)[:, 6].tolist() if cuda_peak >= 0 else None,
             "full": opt.full_state_dict() if keep_params else None}
