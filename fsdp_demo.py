@@ -31,8 +31,9 @@ FSDP2's knobs and the zero.py code that does the same job:
   parameters in fp32 (they are the master copy) and casts a bf16 copy per unit for compute;
   zero.py keeps the bf16 shard and an fp32 master beside it, as the paper does.
 - Implicit prefetch (the next unit's all-gather issued while the current one computes) and
-  set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: zero.py gathers each unit
-  only when its hook fires, without overlap (a later part of the project adds it).
+  set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: ZeRO3._prefetch, in the
+  order recorded in the first forward (overlap=False / --no-overlap turns it off). FSDP2's
+  reduce-scatter on its own stream, one in flight: ZeRO2._reduce_unit with async_op=True.
 - set_requires_gradient_sync(False) for micro-batches without communication: zero.py's stages 0
   and 1 already wait for step(); stages 2 and 3 reduce-scatter in every backward.
 - clip_grad_norm_ on DTensor gradients returns a DTensor norm (.full_tensor() reads it):
@@ -40,9 +41,9 @@ FSDP2's knobs and the zero.py code that does the same job:
 - Parameters become DTensors sharded on dim 0 (each parameter cut separately, padded); zero.py cuts
   one flat buffer per unit. Both give each rank 1/N of every unit.
 
-What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: communication/compute overlap
-and prefetch, bucketing, mixed precision (later parts of this project, kept out of the first
-reading); CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not another idea);
+What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: CUDA streams and events for
+overlap (zero.py uses the backends' async work handles, which is all gloo has), bucketing several
+units into one collective, per-parameter groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not another idea);
 hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
 communication (ZeRO++); activation checkpointing and ZeRO-R's activation partitioning
 (activations are not model state); DTensor state dicts and torch.distributed.checkpoint for

@@ -6,6 +6,7 @@ every scenario for every stage; the tests below then check what the ranks record
 Run: python -m pytest -q
 """
 import functools
+import gc
 import io
 import os
 import re
@@ -105,7 +106,7 @@ def layout(opt):
 # ----------------------------------------------------------------------------------------------
 # What each rank runs
 
-def scenarios(rank, world):
+def run_scenarios(rank, world):
     out, rows = {}, slice(rank * B, (rank + 1) * B)  # this rank's rows of every global batch
     for stage in range(4):
         for case in CASES:
@@ -188,6 +189,14 @@ def scenarios(rank, world):
             rec.update(full=opt.full_state_dict(), layout=layout(opt),
                        dtypes={str(p.dtype) for p in model.parameters()})
             out[(stage, name)] = rec
+    return out
+
+
+def scenarios(rank, world):
+    out = run_scenarios(rank, world)
+    gc.collect()  # every model and optimizer of this rank is garbage now: are they freed?
+    gc.collect()  # (a second pass: what the first one frees lets go of more)
+    out["params_alive"] = sum(isinstance(o, nn.Parameter) for o in gc.get_objects())
     return out
 
 
@@ -389,6 +398,13 @@ def test_mixed_precision_communication(ranks, stage):
     if stage == 2:
         got = results[0][(2, "bf16-reduce")]["comm"]
         assert got["reduce_scatter"] == fp32["reduce_scatter"] / 2
+
+
+def test_dropped_models_are_freed(ranks):
+    # The gradient hooks live on the parameters, out of the garbage collector's sight: they must
+    # not keep a dropped ZeRO object, and with it the whole model state, alive.
+    world, results = ranks
+    assert [res["params_alive"] for res in results] == [0] * world
 
 
 # ----------------------------------------------------------------------------------------------

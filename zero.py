@@ -46,10 +46,14 @@ command line. The classes share one interface, the one the tests and users call:
     optimizer.clip_grad_norm_(1.0)      # optional, global norm over all shards
     optimizer.step(); optimizer.zero_grad()
 
-What is left out, on purpose: bf16 mixed precision, overlapping communication with compute,
-prefetching, and checkpoints that change world size (later sections of the project);
-activation memory (ZeRO-R: activation checkpointing and partitioning) and CPU offload (ZeRO-
-Offload/Infinity). Activations are not model state and no stage here shards them.
+The speed-ups are switches, each confined to one place, so the plain path still reads plainly:
+mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions and an fp32
+master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: stage 2's
+asynchronous reduce-scatters in ZeRO2._reduce_unit, stage 3's prefetch in ZeRO3._prefetch).
+
+What is left out, on purpose: checkpoints that change world size; bucketing units together (the
+unit is the bucket); activation memory (ZeRO-R: activation checkpointing and partitioning) and CPU
+offload (ZeRO-Offload/Infinity). Activations are not model state and no stage here shards them.
 """
 import argparse
 import contextlib
@@ -60,6 +64,7 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -217,7 +222,7 @@ class DataParallel:
                     p.data = p.data.to(param_dtype)  # frozen weights compute in param_dtype too
             for m in [model] + self.unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
                 m.register_forward_pre_hook(functools.partial(_cast_inputs, param_dtype))
-        for unit in self.units:
+        for i, unit in enumerate(self.units):
             full32 = unit.flat
             if param_dtype is not None:
                 unit.cast(param_dtype)
@@ -225,7 +230,7 @@ class DataParallel:
             if param_dtype is not None:  # [S] fp32, or the whole [N*S] in stage 0
                 unit.master = full32[self._owned(unit)].clone()
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+                p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, weakref.ref(self), i))
         # The optimizer only ever sees flat tensors: the whole flat buffer here, this rank's shard
         # from stage 1 on. That is exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
         # each element's update depends on that element's gradient and state only, so cutting the
@@ -623,6 +628,15 @@ class ZeRO3(ZeRO2):
         for unit in self.units:
             if unit.users == 0:
                 self._free(unit)
+
+
+def _grad_hook(zero_ref, i, p):
+    # Gotcha: a parameter keeps its hooks in C++, where Python's garbage collector cannot see
+    # them, so a hook holding the ZeRO object (or a unit, which holds the parameters) would keep
+    # the whole model state alive for ever. The hook holds a weak reference and a unit number.
+    self = zero_ref()
+    if self is not None:
+        self._on_grad(self.units[i], p)
 
 
 def _cast_inputs(dtype, module, args):
