@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -106,30 +107,35 @@ def layout(opt):
 # ----------------------------------------------------------------------------------------------
 # What each rank runs
 
+def watch(model, opt):
+    """The most a rank held at any moment, sampled from inside forward and backward: bytes from
+    memory_breakdown(), units gathered, full unit gradients held, reduce-scatters in flight and
+    all-gathers prefetched. The hooks hold `opt` weakly (see zero._grad_hook)."""
+    seen, ref = dict.fromkeys(["params", "grads", "gathered", "grads_held", "in_flight", "prefetching"], 0), weakref.ref(opt)
+
+    def sample(*_):
+        opt = ref()
+        m = opt.memory_breakdown()
+        now = {"params": m["params"], "grads": m["grads"],
+               "gathered": sum(u.flat.untyped_storage().nbytes() > 0 for u in opt.units),
+               "grads_held": sum(u.grad is not None for u in opt.units),
+               "in_flight": len(opt._in_flight), "prefetching": sum(u.work is not None for u in opt.units)}
+        seen.update({k: max(seen[k], v) for k, v in now.items()})
+    for m in model.modules():
+        m.register_forward_pre_hook(sample)
+        m.register_forward_hook(sample)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(sample)  # runs after zero.py's own hook
+    return seen
+
+
 def run_scenarios(rank, world):
     out, rows = {}, slice(rank * B, (rank + 1) * B)  # this rank's rows of every global batch
     for stage in range(4):
         for case in CASES:
             model, opt = wrapped(rank, stage, case, seed=100)
-            rec = {"comm": [], "mem": None, "sampled": {"params": 0, "grads": 0}, "gathered": 0, "grads_held": 0,
-                   "in_flight": 0, "prefetching": 0}
-
-            def sample(*_):  # an outside look at what the rank holds, from inside forward and backward
-                m = opt.memory_breakdown()
-                for k in rec["sampled"]:
-                    rec["sampled"][k] = max(rec["sampled"][k], m[k])
-                gathered = sum(u.flat.untyped_storage().nbytes() > 0 for u in opt.units)
-                rec["gathered"] = max(rec["gathered"], gathered)
-                rec["grads_held"] = max(rec["grads_held"], sum(u.grad is not None for u in opt.units))
-                rec["in_flight"] = max(rec["in_flight"], len(opt._in_flight))  # async reduce-scatters
-                rec["prefetching"] = max(rec["prefetching"], sum(u.work is not None for u in opt.units))
-            for m in model.modules():
-                m.register_forward_pre_hook(sample)
-                m.register_forward_hook(sample)
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(sample)  # runs after zero.py's own hook
-
+            rec = watch(model, opt)
             comm = [dict(opt.comm)]
 
             def after_step():
@@ -159,19 +165,7 @@ def run_scenarios(rank, world):
         # Overlap off: the same run, every collective waited for where it is issued
         if stage >= 2:
             model, opt = wrapped(rank, stage, "adamw", seed=100, overlap=False)
-            seen = {"in_flight": 0, "prefetching": 0, "params": 0, "grads": 0}
-
-            def look(*_):
-                m = opt.memory_breakdown()
-                seen.update(params=max(seen["params"], m["params"]), grads=max(seen["grads"], m["grads"]))
-                seen["in_flight"] = max(seen["in_flight"], len(opt._in_flight))
-                seen["prefetching"] = max(seen["prefetching"], sum(u.work is not None for u in opt.units))
-            for m in model.modules():
-                m.register_forward_pre_hook(look)
-                m.register_forward_hook(look)
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(look)
+            seen = watch(model, opt)
             run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS)
             out[(stage, "no-overlap")] = dict(seen, full=opt.full_state_dict())
 
