@@ -217,7 +217,7 @@ class DataParallel:
         for t in [u.flat for u in self.units] + [t for _, t in self._replicated()]:
             dist.broadcast(t.data, src=0)
         if param_dtype is not None:
-            for n, p in self.model.named_parameters():
+            for p in model.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(param_dtype)  # frozen weights compute in param_dtype too
             for m in [model] + self.unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
@@ -523,7 +523,8 @@ class ZeRO3(ZeRO2):
     """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
     the unit right before its module computes in forward and frees it right after; it is gathered
     again right before the module's backward and freed once its gradient is reduce-scattered.
-    The whole model is never gathered at once. Memory 16Ψ/N (paper); communication
+    At any moment only the unit computing is gathered (with overlap, also the next one, being
+    prefetched), never the whole model. Memory 16Ψ/N (paper); communication
     3Ψ (N-1)/N: the parameters are all-gathered twice per step instead of once.
 
     The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
