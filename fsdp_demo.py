@@ -4,6 +4,7 @@ fsdp_demo.py: the training of zero.py, done by PyTorch's own implementation of e
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 3             # FSDP2, reshard_after_forward=True
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 3 --compare   # then zero.py's stage 3, side by side
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 2 --bf16      # FSDP2 with bf16 compute
+    torchrun --nproc_per_node=4 fsdp_demo.py --bench               # every stage vs PyTorch, timed
 
 Same model, data, seed, training loop and measurements as zero.py: they are imported from it, so the
 only difference on this page is who shards. Per stage:
@@ -43,8 +44,8 @@ FSDP2's knobs and the zero.py code that does the same job:
 
 What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: CUDA streams and events for
 overlap (zero.py uses the backends' async work handles, which is all gloo has), bucketing several
-units into one collective, per-parameter groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not another idea);
-hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
+units into one collective, per-parameter groups; CPU and NVMe offload (ZeRO-Offload/Infinity:
+another memory tier, not another idea); hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
 communication (ZeRO++); activation checkpointing and ZeRO-R's activation partitioning
 (activations are not model state); DTensor state dicts and torch.distributed.checkpoint for
 resharding (zero.py's checkpoints are per rank); torch.compile integration. Each is an
