@@ -238,7 +238,10 @@ def bench(args):
     rows = []
     for name, size in BENCH_MODELS:
         for stage in range(4):
-            a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": max(args.steps, 2)})
+            # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2 and 3
+            # use the units FSDP2 is given (one per block), so both sides communicate the same pieces.
+            a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": max(args.steps, 2),
+                                      "bucket_mb": 25 if stage < 2 else args.bucket_mb})
             runs = {"PyTorch": [], "zero.py": []}
             for _ in range(args.repeats):
                 for who, build in (("PyTorch", pytorch(a, world, count_steps=1)), ("zero.py", None)):

@@ -100,7 +100,7 @@ def wrapped(rank, stage, case, seed, **kwargs):
 
 
 def layout(opt):
-    return {"psi": opt.psi, "S": [u.S for u in opt.units], "root": [u.module is None for u in opt.units],
+    return {"psi": opt.psi, "S": [u.S for u in opt.units], "root": [not u.modules for u in opt.units],
             "emb": [any(p is opt.model.emb.weight for p in u.params) for u in opt.units]}
 
 
@@ -147,18 +147,17 @@ def run_scenarios(rank, world):
             rec["layout"] = layout(opt)
             out[(stage, case)] = rec
 
-        # Resume: 2 steps, state_dict through torch.save/load, a fresh model with other weights,
-        # load_state_dict, 2 more steps; against 4 uninterrupted steps.
-        case = "adamw"
+        # Resume: 2 steps, a checkpoint on disk, a fresh model with other weights loads it, 2 more
+        # steps; against 4 uninterrupted steps.
+        case, root = "adamw", os.path.join(os.environ["ZERO_TEST_TMP"], f"resume{stage}")
         model, opt = wrapped(rank, stage, case, seed=100)
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 4)
         straight = opt.full_state_dict()
         model, opt = wrapped(rank, stage, case, seed=100)
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
-        buf = io.BytesIO()
-        torch.save(opt.state_dict(), buf)
+        zero.save_checkpoint(opt, root, 2)
         model, opt = wrapped(rank, stage, case, seed=500)
-        opt.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        zero.load_checkpoint(opt, zero.latest_checkpoint(root))
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
         out[(stage, "resume")] = {"straight": straight, "resumed": opt.full_state_dict()}
 
@@ -197,7 +196,7 @@ def scenarios(rank, world):
 def _worker(rank, world, port, tmp, fn):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ZERO_TEST_TMP=tmp)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.save(globals()[fn](rank, world), os.path.join(tmp, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -57,9 +57,11 @@ offload (ZeRO-Offload/Infinity). Activations are not model state and no stage he
 """
 import argparse
 import contextlib
-import copy
 import functools
+import hashlib
+import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -84,6 +86,10 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
 
 class UsageError(Exception):
     """Bad input from the command line or the environment: printed as one line, exit code 2."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
 
 
 def setup(backend=None, device=None, timeout_s=120):
@@ -133,8 +139,8 @@ def setup(backend=None, device=None, timeout_s=120):
 # units=[] everything is one unit, the root.
 
 class Unit:
-    def __init__(self, module, params, rank, world):
-        self.module, self.params = module, params  # module None: the root unit (what is left over)
+    def __init__(self, modules, params, rank, world):
+        self.modules, self.params = modules, params  # modules []: the root unit (what is left over)
         numel = sum(p.numel() for p in params)
         self.S = -(-numel // world)                # shard size: ceil(numel / N)
         p0 = params[0]
@@ -178,6 +184,20 @@ def default_units(module):
     return units
 
 
+PIECE = 1 << 22  # elements: the largest tensor the optimizer is handed (see DataParallel.__init__)
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _nbytes_of(params):
+    return sum(p.numel() * p.element_size() for p in params)
+
+
 def _nbytes(tensors):
     """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
     is not counted twice and a freed buffer (storage resized to 0) counts 0."""
@@ -197,9 +217,11 @@ class DataParallel:
 
     stage = 0
 
-    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True):
+    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
+                 bucket_bytes=0):
         self.model = model
         self.overlap = overlap  # stages 2 and 3: communicate while autograd computes (see ZeRO2, ZeRO3)
+        self.bucket_bytes = bucket_bytes  # stages 0-2: merge units into buckets this big (see _buckets)
         self._in_flight = []    # stage 2: reduce-scatters launched, not yet added into the shards
         # Mixed precision (the paper's accounting): compute, gradients and all-gathers in
         # param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over N ranks in
@@ -211,6 +233,7 @@ class DataParallel:
         self.peak = Counter()  # largest memory_breakdown() value seen, per kind
         self.units = self._make_units(model, default_units(model) if units is None else list(units))
         self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable parameters
+        self._check_ranks_agree()
         # Ranks may have built their models with different seeds: start from rank 0's weights.
         # Frozen parameters and buffers too; they are not sharded, every rank keeps them whole.
         # (One-off set-up traffic, not counted in the per-step numbers.)
@@ -239,10 +262,18 @@ class DataParallel:
         # orthogonalize whole matrices; a shard holds slices of several tensors. They need the
         # full tensor, or shards cut along tensor boundaries plus extra communication.
         # (Per-parameter groups, e.g. no weight decay on biases, are not possible for the same reason.)
+        #
+        # The optimizer gets each flat tensor cut into pieces of at most PIECE elements (views, no
+        # copy). Exact all the same, and it bounds the temporaries torch's optimizers allocate per
+        # tensor (Adam's sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter
+        # shard is 200 MB of transient memory, and on CPU each such allocation is fresh pages from
+        # the OS, every step (measured: the step of a 50M model took 2x as long without it).
         for u in self.units:
+            u.pieces = u.master.split(PIECE)
             if u.master is u.shard:  # mixed precision: step() hands over an fp32 copy of the gradient
-                u.master.grad = u.grad_shard
-        self.optimizer = optimizer([u.master for u in self.units])
+                for piece, g in zip(u.pieces, u.grad_shard.split(PIECE)):
+                    piece.grad = g
+        self.optimizer = optimizer([piece for u in self.units for piece in u.pieces])
         self._reduced = False
 
     def _make_units(self, model, modules):
@@ -252,15 +283,46 @@ class DataParallel:
             raise ValueError("zero: every unit must be a submodule of the model (not the model itself)")
         modules = list(dict.fromkeys(modules))
         self.unit_modules = modules  # a module holding only tied weights of other units stays listed
-        seen, units = set(), []
+        seen, groups = set(), []
         for module in modules + [None]:
             params = [p for p in (module or model).parameters() if p.requires_grad and p not in seen]
             seen.update(params)
             if params:
-                units.append(Unit(module, params, self.rank, self.world))
-        if not units:
+                groups.append(([module] if module else [], params))
+        if not groups:
             raise ValueError("zero: the model has no trainable parameters")
-        return units
+        return [Unit(mods, params, self.rank, self.world) for mods, params in self._buckets(groups)]
+
+    def _buckets(self, groups):
+        # Bucketing: a collective has a fixed cost (latency, a launch, a sync with the slowest rank)
+        # on top of its bytes, so many small units are slow to reduce one by one. Consecutive units
+        # are merged until each bucket holds at least bucket_bytes: fewer, larger messages, as DDP's
+        # 25 MB buckets. The price: a bucket is reduced only when its last gradient has arrived,
+        # and stage 2 holds a whole bucket's full gradient while it is reduced.
+        merged = []
+        for mods, params in groups:
+            if merged and _nbytes_of(merged[-1][1]) < self.bucket_bytes:
+                merged[-1] = (merged[-1][0] + mods, merged[-1][1] + params)
+            else:
+                merged.append((mods, params))
+        return merged
+
+    def _check_ranks_agree(self):
+        # Fail fast. Ranks that built another model or chose another stage would hang in the next
+        # collective (its sizes differ) until the timeout, or exchange garbage. So the first
+        # collective is a small one every rank can make: stage, Ψ and a hash of the layout.
+        layout = {k: v for k, v in self.layout().items() if k != "world_size"}
+        digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).digest()[:8]
+        mine = torch.tensor([self.stage, self.psi, int.from_bytes(digest, "little", signed=True)],
+                            device=self.units[0].flat.device)
+        every = torch.empty(self.world * 3, dtype=torch.int64, device=mine.device)
+        dist.all_gather_into_tensor(every, mine)
+        rows = every.view(self.world, 3).tolist()
+        for r, (stage, psi, digest) in enumerate(rows):
+            if (stage, psi, digest) != tuple(rows[0]):
+                raise ValueError(f"zero: ranks disagree: rank 0 has stage {rows[0][0]}, Ψ = {rows[0][1]:,}, "
+                                 f"layout hash {rows[0][2] & (2**64 - 1):016x}; rank {r} has stage {stage}, "
+                                 f"Ψ = {psi:,}, layout hash {digest & (2**64 - 1):016x}")
 
     def _shard(self, unit):
         # Stage 0 shards nothing: the "shard" this rank steps is the whole flat buffer, and the
@@ -300,7 +362,8 @@ class DataParallel:
 
     def _sum_of_squares(self):
         # Every rank holds the whole averaged gradient: its squares are the global ones.
-        return torch.stack([u.grad_shard.float().pow(2).sum() for u in self.units]).sum()
+        # (vector_norm in fp32, squared: no temporary as large as the gradient, unlike g.pow(2).sum())
+        return torch.stack([torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2 for u in self.units]).sum()
 
     def clip_grad_norm_(self, max_norm):
         """Scale gradients so that their global L2 norm is at most max_norm, as
@@ -315,12 +378,14 @@ class DataParallel:
     def step(self):
         self._reduce_grads()
         mixed = [u for u in self.units if u.master is not u.shard]
-        for u in mixed:
-            u.master.grad = u.grad_shard.to(u.master.dtype)  # [S] fp32, for the step only
+        for u in mixed:  # [S] fp32 gradient, for the step only
+            for piece, g in zip(u.pieces, u.grad_shard.to(u.master.dtype).split(PIECE)):
+                piece.grad = g
         self.optimizer.step()
         for u in mixed:
             u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
-            u.master.grad = None
+            for piece in u.pieces:
+                piece.grad = None
         self._gather_params()
         self._track_peak()
 
@@ -361,34 +426,122 @@ class DataParallel:
     def _full_master(self, unit):
         return unit.master.float()  # [N*S]: every rank steps the whole unit
 
-    def state_dict(self):
-        """This rank's shard of the parameters and its optimizer state, plus the frozen parameters
-        and buffers every rank holds: what a rank needs to continue."""
-        return {"stage": self.stage, "world_size": self.world, "rank": self.rank,
-                "shards": [u.master.detach().clone() for u in self.units],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "replicated": {n: t.detach().clone() for n, t in self._replicated()}}
+    # Checkpoints. A checkpoint must outlive its job's shape: it is written by N ranks at one
+    # stage and may be read by M ranks at another. So what a rank writes is stated in the
+    # coordinates of the model, not of the sharding: its 1/N of each unit's elements (stage 0
+    # too: every rank holds everything, each writes 1/N of it), fp32 master values and each
+    # per-element optimizer state (Adam's m and v), plus the names and shapes of the parameters
+    # in each unit's flat order (layout()). Reading cuts what a rank owns now out of the parts
+    # that hold it, parameter by parameter, by name. The files: save_checkpoint() below.
 
     def _replicated(self):
         """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
         frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         return frozen + list(self.model.named_buffers())
 
-    def load_state_dict(self, sd):
-        """Load what state_dict() wrote on this rank, for the same model, stage and world size."""
-        want = (self.stage, self.world, self.rank, [u.master.numel() for u in self.units])
-        got = (sd.get("stage"), sd.get("world_size"), sd.get("rank"), [s.numel() for s in sd.get("shards", [])])
-        if want != got:
-            raise ValueError(f"zero: state dict (stage, world size, rank, shard sizes) = {got}, this model is {want}")
+    def layout(self):
+        """The names and shapes, in flat order, of each unit's parameters, and what else a reader
+        of this rank's state_dict() needs to know. Equal on every rank."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        return {"stage": self.stage, "world_size": self.world, "psi": self.psi,
+                "units": [[[names[p], list(p.shape)] for p in u.params] for u in self.units],
+                "replicated": {n: list(t.shape) for n, t in self._replicated()}}
+
+    def state_dict(self):
+        """This rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each unit's fp32
+        master weights and per-element optimizer state, optimizer scalars (Adam's step count) and
+        hyper-parameters; rank 0 also the frozen parameters and buffers."""
+        units, scalars = [], {}
+        for u in self.units:
+            def mine(t):  # [S]: stage 0 steps all N*S elements, and writes 1/N of them
+                return t[u.mine] if self._owned(u) == slice(None) else t
+            states = [self.optimizer.state.get(piece, {}) for piece in u.pieces]
+            per_element = {}
+            for key, value in states[0].items():
+                if torch.is_tensor(value) and value.shape == u.pieces[0].shape:
+                    per_element[key] = mine(torch.cat([s[key] for s in states])).float().clone()
+                else:
+                    scalars[key] = value
+            units.append({"master": mine(u.master.detach().float()).clone(), "state": per_element})
+        return {"rank": self.rank, "units": units, "scalars": scalars, "optimizer": type(self.optimizer).__name__,
+                "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                "replicated": {n: t.detach().clone() for n, t in self._replicated()} if self.rank == 0 else {}}
+
+    def load_state_dict(self, parts, layout):
+        """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
+        all its ranks, in rank order, `layout` the writer's layout(). Everything is checked before
+        anything changes. Exact: each element's values are copied, not recomputed."""
+        self._check_checkpoint(parts, layout)
+        where, S = {}, []  # parameter name -> (writer's unit, offset in its flat); writer's shard sizes
+        for i, params in enumerate(layout["units"]):
+            o = 0
+            for name, shape in params:
+                where[name], o = (i, o), o + _numel(shape)
+            S.append(-(-o // len(parts)))
+
+        def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts holding them
+            out = []
+            while lo < hi:
+                q = lo // S[i]  # the rank that wrote element lo
+                end = min(hi, (q + 1) * S[i])
+                unit = parts[q]["units"][i]
+                out.append((unit["master"] if key == "master" else unit["state"][key])[lo - q * S[i]:end - q * S[i]])
+                lo = end
+            return torch.cat(out)
+
+        keys = ["master"] + list(parts[0]["units"][0]["state"])
+        scalars = parts[0]["scalars"]
+        names = {p: n for n, p in self.model.named_parameters()}
+        state = {}
         with torch.no_grad():
-            for u, s in zip(self.units, sd["shards"]):
-                u.master.copy_(s)
+            for u in self.units:
+                owned = self._owned(u)
+                lo = owned.start or 0  # this rank's elements of the unit: [lo, lo + numel of master)
+                values = {k: torch.zeros(u.master.numel()) for k in keys}  # padding stays 0
+                for p in u.params:
+                    a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
+                    if a < b:  # p has elements in this rank's range: fetch them by p's name
+                        i, o = where[names[p]]
+                        for k, t in values.items():
+                            t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
+                u.master.copy_(values.pop("master"))
                 u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+                if values or scalars:  # the optimizer has state (it has stepped at least once)
+                    for piece, *chunks in zip(u.pieces, *(t.split(PIECE) for t in values.values())):
+                        state[piece] = {**dict(zip(values, chunks)),
+                                        **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
             for n, t in self._replicated():
-                t.copy_(sd["replicated"][n])
-        self.optimizer.load_state_dict(sd["optimizer"])
+                t.copy_(parts[0]["replicated"][n])
+        index = {piece: i for i, piece in enumerate(p for u in self.units for p in u.pieces)}
+        groups = [{**h, "params": g["params"]} for h, g in zip(parts[0]["hyper"], self.optimizer.state_dict()["param_groups"])]
+        self.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()}, "param_groups": groups})
         self.zero_grad()
         self._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
+
+    def _check_checkpoint(self, parts, layout):
+        """Raise CheckpointError, naming the first problem, unless the checkpoint fits this model."""
+        mine = self.layout()
+        want = {n: s for unit in mine["units"] for n, s in unit}
+        got = {n: s for unit in layout["units"] for n, s in unit}
+        for kind, a, b in [("parameter", want, got), ("frozen parameter or buffer", mine["replicated"], layout["replicated"])]:
+            for n in list(a) + list(b):
+                if a.get(n) != b.get(n):
+                    raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} has shape "
+                                          f"{b.get(n, 'none')} there, {a.get(n, 'none')} here")
+        if len(parts) != layout["world_size"] or [p.get("rank") for p in parts] != list(range(len(parts))):
+            raise CheckpointError(f"checkpoint has {len(parts)} rank part(s), its layout says {layout['world_size']}")
+        keys = set(parts[0]["units"][0]["state"]) if parts[0]["units"] else set()
+        for r, part in enumerate(parts):
+            for i, (unit, params) in enumerate(zip(part["units"], layout["units"])):
+                size = -(-sum(_numel(s) for _, s in params) // len(parts))
+                if set(unit["state"]) != keys or any(t.numel() != size for t in [unit["master"], *unit["state"].values()]):
+                    raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: not the {size} elements "
+                                          f"(master and state {sorted(keys)}) the layout says")
+            if len(part["units"]) != len(layout["units"]):
+                raise CheckpointError(f"checkpoint part of rank {r} has {len(part['units'])} units, the layout {len(layout['units'])}")
+        if parts[0].get("optimizer") != type(self.optimizer).__name__:
+            raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}, "
+                                  f"this run has {type(self.optimizer).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -538,7 +691,7 @@ class ZeRO3(ZeRO2):
         # Which units each module computes with. Usually just its own; a module whose weight is
         # tied to another unit's (an output head sharing the embedding) needs that unit too.
         owner = {p: u for u in self.units for p in u.params}
-        needs = {model: [u for u in self.units if u.module is None]}
+        needs = {model: [u for u in self.units if not u.modules]}
         for m in self.unit_modules:
             needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
         # Prefetch: the order in which modules gather their units, recorded in the first forward.
@@ -548,6 +701,9 @@ class ZeRO3(ZeRO2):
             if units:
                 module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
                 module.register_forward_hook(functools.partial(self._post_forward, units))
+
+    def _buckets(self, groups):
+        return groups  # the unit is what a module gathers to compute: no merging in stage 3
 
     def _shard(self, unit):
         super()._shard(unit)
@@ -600,7 +756,7 @@ class ZeRO3(ZeRO2):
         training = torch.is_grad_enabled()
         for u in units:
             u.users -= 1
-            if u.users == 0 and not (training and u.module is None):  # keep the root for backward
+            if u.users == 0 and not (training and not u.modules):  # keep the root for backward
                 self._free(u)
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if training and tensors:  # fires when backward reaches this module's output: gather again
@@ -656,7 +812,7 @@ def _tensors(x):
 STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
-def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True):
+def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True, bucket_bytes=0):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with.
 
@@ -664,13 +820,164 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     the torch optimizer itself is `.optimizer` (attach LR schedulers to that).
     units: the modules communicated as one (stage 3 gathers them one by one); default_units(model).
     param_dtype: e.g. torch.bfloat16 for mixed precision; reduce_dtype: of the gradient reductions
-    (default float32 in mixed precision). overlap: communicate while computing (stages 2 and 3)."""
+    (default float32 in mixed precision). overlap: communicate while computing (stages 2 and 3).
+    bucket_bytes: stages 0-2 merge consecutive units until each holds this many bytes (0: every
+    unit is its own bucket); stage 3 gathers unit by unit and ignores it."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
         setup()
     return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                         overlap=overlap)
+                         overlap=overlap, bucket_bytes=bucket_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint files: sharded, atomic, and readable at any stage and world size
+#
+#   DIR/step_00000010/rank_00000.pt ... rank_00003.pt   each rank's state_dict(), written in parallel
+#   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and shapes,
+#                                                       every file's size and sha256, the step
+#
+# A checkpoint is complete when its manifest exists. Every file is written under a temporary
+# name, fsync'ed and renamed (a rename is atomic), and the manifest only after every rank's file
+# is on disk, so a job killed in the middle of a save leaves the previous checkpoint as it was
+# and an incomplete directory that loading skips. The newest `keep` complete ones are kept.
+
+FORMAT = "zero.py sharded checkpoint, version 1"
+
+
+def _atomic_write(path, write):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # and so is the rename
+    finally:
+        os.close(fd)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _json_lines(d):
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()) + "\n}\n"  # a key a line
+
+
+def _steps(root):
+    """{step: directory} of the complete checkpoints under root."""
+    found = {}
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith("step_") and os.path.exists(os.path.join(root, name, "manifest.json")):
+            found[int(name[5:])] = os.path.join(root, name)
+    return found
+
+
+def latest_checkpoint(root):
+    """The newest complete checkpoint directory under root, or None."""
+    found = _steps(root)
+    return found[max(found)] if found else None
+
+
+def save_checkpoint(opt, root, step, extra=None, keep=2):
+    """Write opt's checkpoint for `step` under root (every rank calls this; a collective)."""
+    path = os.path.join(root, f"step_{step:08d}")
+    os.makedirs(path, exist_ok=True)
+    name = os.path.join(path, f"rank_{opt.rank:05d}.pt")
+    _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
+    # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
+    # also the barrier that makes every rank's file durable before the manifest is written.
+    mine = torch.tensor([os.path.getsize(name)] + torch.frombuffer(bytearray.fromhex(_sha256(name)), dtype=torch.int64).tolist(),
+                        device=opt.units[0].flat.device)
+    every = torch.empty(opt.world * 5, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(every, mine)
+    if opt.rank == 0:
+        files = {f"rank_{r:05d}.pt": [row[0], bytes(torch.tensor(row[1:]).view(torch.uint8).tolist()).hex()]
+                 for r, row in enumerate(every.view(opt.world, 5).tolist())}
+        aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
+        keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        manifest = {"format": FORMAT, "step": step, **opt.layout(), "optimizer": type(opt.optimizer).__name__,
+                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict()], "files": files, "extra": extra or {}}
+        _atomic_write(os.path.join(path, "manifest.json"), lambda f: f.write(_json_lines(manifest).encode()))
+        found = sorted(_steps(root))
+        for old in os.listdir(root):  # older checkpoints, complete or not, beyond the newest `keep`
+            if old.startswith("step_") and old[5:].isdigit() and int(old[5:]) < found[-keep:][0]:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    dist.barrier()  # nobody goes on (or dies) believing a save is complete before it is
+
+
+def read_checkpoint(path, verify=None):
+    """The manifest and every rank's part of the checkpoint in directory `path`, each part
+    checked against the manifest's size (and sha256, for the ranks in `verify`; None: all) and
+    read with torch.load(weights_only=True): a file cannot run code. mmap: a part's bytes are
+    read from disk only where they are used. No process group needed."""
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"{path}: no manifest.json, not a complete checkpoint")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{manifest_path}: unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: not a {FORMAT!r} manifest")
+    parts = []
+    for r, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise CheckpointError(f"{file}: missing (rank {r} of {manifest['world_size']} wrote it)")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(f"{file}: {os.path.getsize(file)} bytes, the manifest says {size}: truncated or overwritten")
+        if (verify is None or r in verify) and _sha256(file) != digest:
+            raise CheckpointError(f"{file}: its sha256 differs from the manifest's: the file is corrupt")
+        try:
+            parts.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        except Exception as e:  # weights_only refuses anything that is not plain tensors and containers
+            raise CheckpointError(f"{file}: cannot be read ({str(e).splitlines()[0]})") from None
+    return manifest, parts
+
+
+def load_checkpoint(opt, path):
+    """Load the checkpoint in directory `path` into opt, whatever stage and world size wrote it,
+    and return its manifest (step, extra). Every rank calls this; if any rank finds a problem,
+    every rank raises CheckpointError and nothing has changed. Each rank checks the hashes of
+    1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N times."""
+    error = ""
+    try:
+        manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
+        opt._check_checkpoint(parts, manifest)
+    except CheckpointError as e:
+        error = str(e)
+    failed = torch.tensor([int(bool(error))], device=opt.units[0].flat.device)
+    dist.all_reduce(failed)  # agree before anyone changes anything (or waits in a collective alone)
+    if failed.item():
+        raise CheckpointError(error or f"{path}: another rank could not read this checkpoint")
+    opt.load_state_dict(parts, manifest)
+    return manifest
+
+
+def consolidate(path, out):
+    """Write one plain state_dict, {key: full fp32 tensor} for every key of the model's own
+    state_dict(), from the sharded checkpoint in `path`: what model.load_state_dict() takes.
+    One process, no process group, any stage and world size."""
+    manifest, parts = read_checkpoint(path)
+    full = dict(parts[0]["replicated"])
+    for i, params in enumerate(manifest["units"]):
+        flat = torch.cat([part["units"][i]["master"] for part in parts])  # [N*S]: every rank's S
+        o = 0
+        for name, shape in params:
+            full[name], o = flat[o:o + _numel(shape)].view(shape).clone(), o + _numel(shape)
+    state = {key: full[name] for key, name in manifest["keys"]}
+    _atomic_write(out, lambda f: torch.save(state, f))
+    return manifest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -798,9 +1105,12 @@ def train(args, build=None, keep_params=False, quiet=False):
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
     torch.manual_seed(args.seed)
     model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
+    if getattr(args, "init_from", None):
+        init_from(model, args.init_from)
     if build is None:
         net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
-                               param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap)
+                               param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
+                               bucket_bytes=int(args.bucket_mb * 2**20))
         label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     else:
         net, opt, label = build(model)
@@ -817,9 +1127,23 @@ def train(args, build=None, keep_params=False, quiet=False):
                                f"{args.grad_accum} micro-batch(es)")]))
     # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count theirs
     # at the dispatcher, inside this context, which leaves out the logging all-reduce below.
+    # Resume: the newest complete checkpoint, whatever stage and world size wrote it. The data
+    # position is the step: get_batch() draws step k's global batch from a generator seeded by k.
+    first, ckpt = 1, getattr(args, "ckpt_dir", None)
+    if ckpt and latest_checkpoint(ckpt):
+        manifest = load_checkpoint(opt, latest_checkpoint(ckpt))
+        first = manifest["step"] + 1
+        log(f"resumed from {latest_checkpoint(ckpt)}: step {manifest['step']}, written at stage {manifest['stage']} "
+            f"by {manifest['world_size']} rank(s)")
+        if manifest["extra"].get("data") != data_position(args, world):
+            log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}, now "
+                f"{data_position(args, world)}): training goes on, on other batches")
     counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
     times, losses, sent, mem, start = [], [], [], None, Counter(opt.comm)
-    for step in range(1, args.steps + 1):
+    if first > args.steps:
+        log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is {args.steps}")
+        return None
+    for step in range(first, args.steps + 1):
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         loss_sum = torch.zeros((), device=device)
         with counting():
@@ -841,6 +1165,8 @@ def train(args, build=None, keep_params=False, quiet=False):
         losses.append(loss_sum.item() / world)
         log(f"step {step:4d} | loss {losses[-1]:.6f} | {times[-1] * 1e3:8.1f} ms | "
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
+        if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
+            save_checkpoint(opt, ckpt, step, extra={"data": data_position(args, world)})
     # Every rank's measurements, gathered as one int64 tensor each (all_gather_object would need
     # numpy): params, grads, optimizer held; the same at their peak; CUDA's peak (-1: none).
     kinds = ("params", "grads", "optimizer")
@@ -850,10 +1176,25 @@ def train(args, build=None, keep_params=False, quiet=False):
     dist.all_gather_into_tensor(ranks, mine)
     most = ranks.view(world, -1).max(0).values.tolist()
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
-            "times": times, "sent": sent, "comm": {k: (v - start[k]) / args.steps for k, v in opt.comm.items()},
+            "times": times, "sent": sent, "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
             "mem": dict(zip(kinds, most[:3])), "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": ranks.view(world, -1)[:, 6].tolist() if cuda_peak >= 0 else None,
             "full": opt.full_state_dict() if keep_params else None}
+
+
+def data_position(args, world):
+    """What decides which rows step k trains on; equal in a resumed run means the same batches."""
+    return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
+            "grad_accum": args.grad_accum, "data": os.path.basename(__file__)}
+
+
+def init_from(model, path):
+    """Start from a plain state_dict file (what --consolidate writes, or torch.save(model.state_dict()))."""
+    try:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:  # a missing or unreadable file, or weights for another model
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise UsageError(f"--init-from {path}: {' '.join(lines)[:300]}") from None
 
 
 def report(res, args):
@@ -930,6 +1271,8 @@ def training_parser(description):
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
     p.add_argument("--no-overlap", action="store_true", help="stages 2, 3: wait for each collective (no async, no prefetch)")
+    p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: merge units into buckets of this many MiB "
+                   "(DDP: 25; default 0, each unit its own bucket)")
     return p
 
 
@@ -938,6 +1281,8 @@ def check_args(args):
         raise UsageError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
     if args.clip < 0:
         raise UsageError("--clip must be 0 (off) or positive")
+    if not 0 <= args.bucket_mb < float("inf"):
+        raise UsageError("--bucket-mb must be 0 (one bucket per unit) or positive")
     return args
 
 
@@ -946,25 +1291,47 @@ def main(argv=None):
     p.add_argument("--estimate", action="store_true", help="print the per-rank memory formula and exit")
     p.add_argument("--params", type=positive(float), help="Ψ for --estimate, e.g. 7.5e9")
     p.add_argument("--world-size", type=positive(int), help="N for --estimate")
+    p.add_argument("--ckpt-dir", help="write sharded checkpoints here; resume from the newest complete one")
+    p.add_argument("--ckpt-every", type=positive(int), help="steps between checkpoints (default: after the last step only)")
+    p.add_argument("--init-from", metavar="FILE", help="start from a plain state_dict file, e.g. from --consolidate")
+    p.add_argument("--consolidate", metavar="DIR", help="write the newest checkpoint in DIR as one plain state_dict (--out) and exit")
+    p.add_argument("--out", metavar="FILE", help="--consolidate: the file to write")
     args = check_args(p.parse_args(argv))
+    if args.ckpt_every and not args.ckpt_dir:
+        raise UsageError("--ckpt-every needs --ckpt-dir")
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
         estimate(args.params, args.world_size)
+    elif args.consolidate:
+        if not args.out:
+            raise UsageError("--consolidate needs --out FILE")
+        path = args.consolidate if os.path.exists(os.path.join(args.consolidate, "manifest.json")) else latest_checkpoint(args.consolidate)
+        if path is None:
+            raise CheckpointError(f"{args.consolidate}: no complete checkpoint (no manifest.json)")
+        m = consolidate(path, args.out)
+        print(f"wrote {args.out}: {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
+              f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")
     else:
-        report(train(args), args)
+        res = train(args)
+        if res is not None:
+            report(res, args)
 
 
 def run(main, argv=None):
     """Run a command-line main: bad input is one line and exit code 2."""
-    code = 0
+    code, prog = 0, os.path.basename(sys.argv[0])
     try:
         main(argv)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+            print(f"{prog}: error: {e}", file=sys.stderr)
         code = 2
-    if dist.is_initialized():
+    except dist.DistError as e:  # another rank died, or a collective timed out: not a bug of this rank
+        print(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another rank is gone or "
+              f"--timeout passed ({str(e).strip().splitlines()[0][:200]})", file=sys.stderr)
+        code = 1
+    if dist.is_initialized() and code != 1:
         dist.destroy_process_group()
     # Leave without the interpreter's teardown. With torch 2.13's gloo, a worker thread can still be
     # releasing the tensors of the last collective while Python shuts down, and the process then
