@@ -7,9 +7,11 @@ Run: python -m pytest -q
 """
 import functools
 import gc
-import io
+import json
+import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -193,22 +195,24 @@ def scenarios(rank, world):
     return out
 
 
-def _worker(rank, world, port, tmp, fn):
+def _worker(rank, world, port, tmp, fn, shared):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ZERO_TEST_TMP=tmp)
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ZERO_TEST_TMP=shared or tmp)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.save(globals()[fn](rank, world), os.path.join(tmp, f"rank{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown, which gloo's threads can abort (see zero.main)
 
 
-def spawn(world, fn="scenarios"):
+def spawn(world, fn="scenarios", shared=None):
+    """Run fn(rank, world) on `world` gloo ranks; returns what each returned. The ranks find a
+    scratch directory (`shared`, if given: it outlives the call) in $ZERO_TEST_TMP."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, port, tmp, fn), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, tmp, fn, shared), nprocs=world, start_method="spawn")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -561,3 +565,147 @@ def test_fsdp_demo_bf16_and_bad_input():
                              capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
         assert out.stderr.startswith("fsdp_demo.py: error: ")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: written by N ranks at one stage, read by M ranks at another
+
+ROWS = 12  # global rows per micro-batch in the resharding runs, split evenly over 2 or 4 ranks
+
+
+def train_rows(model, opt, rank, world, steps, start):
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, ROWS // B, steps, start=start)
+
+
+def reshard_write(rank, world):
+    # N = 4, stage 3, the optimizer handed pieces of 7 elements: 2 steps, checkpoint, 2 more steps.
+    zero.PIECE = 7
+    model, opt = wrapped(rank, 3, "adamw", seed=100)
+    train_rows(model, opt, rank, world, 2, 0)
+    zero.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2, extra={"note": "from N=4"})
+    train_rows(model, opt, rank, world, 2, 2)
+    return opt.full_state_dict()
+
+
+def _load_fresh(rank, stage, path, **kwargs):
+    model, opt = wrapped(rank, stage, "adamw", seed=500 + rank, **kwargs)  # other weights on each rank
+    manifest = zero.load_checkpoint(opt, path)
+    return model, opt, manifest
+
+
+def reshard_read(rank, world):
+    # Load the N = 4 stage-3 checkpoint at this world size into every stage (pieces of 5), write it
+    # again at once, then train on. Then the checkpoints that must be refused.
+    tmp, out = os.environ["ZERO_TEST_TMP"], {}
+    zero.PIECE = 5
+    source = os.path.join(tmp, "a" if world == 2 else "b1", "step_00000002")
+    for stage in range(4):
+        model, opt, manifest = _load_fresh(rank, stage, source)
+        zero.save_checkpoint(opt, os.path.join(tmp, f"{'b' if world == 2 else 'c'}{stage}"), 2)
+        train_rows(model, opt, rank, world, 2, 2)
+        out[stage] = {"full": opt.full_state_dict(), "extra": manifest["extra"]}
+    if world == 2:
+        out["refused"] = {}
+        for bad in ["corrupt", "truncated", "missing", "incomplete"]:
+            model, opt = wrapped(rank, 2, "adamw", seed=100)
+            before = opt.full_state_dict()
+            try:
+                zero.load_checkpoint(opt, os.path.join(tmp, bad, "step_00000002"))
+                out["refused"][bad] = None
+            except zero.CheckpointError as e:
+                out["refused"][bad] = str(e)
+            after = opt.full_state_dict()
+            out.setdefault("unchanged", []).append(all(torch.equal(before[n], after[n]) for n in before))
+        others = {"another model": lambda: zero.wrap(nn.Sequential(nn.Linear(4, 4)), 2, CASES["adamw"]["optimizer"]),
+                  "another optimizer": lambda: wrapped(rank, 2, "sgd", seed=100)[1]}
+        for what, build in others.items():
+            try:
+                zero.load_checkpoint(build(), source)
+                out["refused"][what] = None
+            except zero.CheckpointError as e:
+                out["refused"][what] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharded():
+    with tempfile.TemporaryDirectory() as tmp:
+        straight = spawn(4, "reshard_write", shared=tmp)[0]
+        step = os.path.join(tmp, "a", "step_00000002")
+        for bad in ["corrupt", "truncated", "missing", "incomplete"]:
+            shutil.copytree(step, os.path.join(tmp, bad, "step_00000002"))
+        damaged = lambda bad, r=2: os.path.join(tmp, bad, "step_00000002", f"rank_0000{r}.pt")
+        data = bytearray(open(damaged("corrupt"), "rb").read())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte, in the middle of a tensor's data
+        open(damaged("corrupt"), "wb").write(data)
+        os.truncate(damaged("truncated", 3), os.path.getsize(damaged("truncated", 3)) - 100)
+        os.remove(damaged("missing", 1))
+        os.remove(os.path.join(tmp, "incomplete", "step_00000002", "manifest.json"))
+        two = spawn(2, "reshard_read", shared=tmp)[0]
+        four = spawn(4, "reshard_read", shared=tmp)[0]
+        states = {name: full_checkpoint(os.path.join(tmp, name, "step_00000002"))
+                  for name in ["a"] + [f"{x}{s}" for x in "bc" for s in range(4)]}
+        yield {"straight": straight, "two": two, "four": four, "states": states}
+
+
+def full_checkpoint(path):
+    """{(key, parameter name): full tensor} of every per-element value in a checkpoint (master
+    weights and optimizer state), assembled here from the parts, independently of zero.py's
+    reader, plus the optimizer's scalars."""
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    parts = [torch.load(os.path.join(path, f), weights_only=True) for f in sorted(manifest["files"])]
+    full = {}
+    for i, params in enumerate(manifest["units"]):
+        for key in ["master"] + list(parts[0]["units"][i]["state"]):
+            get = (lambda unit: unit["master"]) if key == "master" else (lambda unit, key=key: unit["state"][key])
+            flat = torch.cat([get(part["units"][i]) for part in parts])  # [N*S]
+            o = 0
+            for name, shape in params:
+                n = math.prod(shape)
+                full[key, name], o = flat[o:o + n].view(shape), o + n
+    full["scalars"] = parts[0]["scalars"]
+    return full
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_reshard_keeps_every_parameter_and_optimizer_value(resharded, stage):
+    # N = 4 stage 3 -> N = 2 at this stage (b), and N = 2 stage 1 -> N = 4 at this stage (c):
+    # every master weight and every Adam m and v, element by element, and the step count.
+    want = resharded["states"]["a"]
+    for name in [f"b{stage}", f"c{stage}"]:
+        got = resharded["states"][name]
+        assert set(got) == set(want)
+        assert {k[0] for k in want if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
+        for key in want:
+            if key == "scalars":
+                assert {k: float(v) for k, v in got[key].items()} == {k: float(v) for k, v in want[key].items()} == {"step": 2.0}
+            else:
+                assert torch.equal(got[key], want[key]), (name, key)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_reshard_trains_on_as_if_nothing_changed(resharded, stage):
+    # 2 more steps after loading match the uninterrupted N = 4 run, to float rounding (the sums
+    # of the reductions run in another order at another N).
+    want = resharded["straight"]
+    initial = {n: p.detach() for n, p in Net(seed=100).named_parameters()}
+    for run in ("two", "four"):
+        got = resharded[run][stage]["full"]
+        assert list(got) == list(want)
+        for name in want:
+            assert (got[name] - want[name]).abs().max().item() <= 1e-5, (run, name)
+    assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-2
+    assert resharded["two"][stage]["extra"] == {"note": "from N=4"}
+
+
+def test_bad_checkpoints_are_refused_before_anything_changes(resharded):
+    refused = resharded["two"]["refused"]
+    assert "corrupt" in refused["corrupt"] and "rank_00002.pt" in refused["corrupt"]
+    assert "truncated" in refused["truncated"] and "rank_00003.pt" in refused["truncated"]
+    assert "missing" in refused["missing"] and "rank_00001.pt" in refused["missing"]
+    assert "no manifest.json" in refused["incomplete"]
+    assert "another model" in refused["another model"] and "'0.weight'" in refused["another model"]
+    assert "AdamW" in refused["another optimizer"] and "SGD" in refused["another optimizer"]
+    assert all(msg.count("\n") == 0 for msg in refused.values())
+    assert resharded["two"]["unchanged"] == [True] * 4

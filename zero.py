@@ -526,8 +526,8 @@ class DataParallel:
         for kind, a, b in [("parameter", want, got), ("frozen parameter or buffer", mine["replicated"], layout["replicated"])]:
             for n in list(a) + list(b):
                 if a.get(n) != b.get(n):
-                    raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} has shape "
-                                          f"{b.get(n, 'none')} there, {a.get(n, 'none')} here")
+                    raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
+                                          f"{b.get(n, 'absent')} there, {a.get(n, 'absent')} here")
         if len(parts) != layout["world_size"] or [p.get("rank") for p in parts] != list(range(len(parts))):
             raise CheckpointError(f"checkpoint has {len(parts)} rank part(s), its layout says {layout['world_size']}")
         keys = set(parts[0]["units"][0]["state"]) if parts[0]["units"] else set()
@@ -1318,6 +1318,9 @@ def main(argv=None):
             report(res, args)
 
 
+PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out", "timed out", "NCCL")
+
+
 def run(main, argv=None):
     """Run a command-line main: bad input is one line and exit code 2."""
     code, prog = 0, os.path.basename(sys.argv[0])
@@ -1327,7 +1330,11 @@ def run(main, argv=None):
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {e}", file=sys.stderr)
         code = 2
-    except dist.DistError as e:  # another rank died, or a collective timed out: not a bug of this rank
+    except (dist.DistError, RuntimeError) as e:
+        # Another rank died (its sockets close: gloo fails at once) or a collective waited past
+        # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
+        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in PEER_FAILURES):
+            raise
         print(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another rank is gone or "
               f"--timeout passed ({str(e).strip().splitlines()[0][:200]})", file=sys.stderr)
         code = 1
