@@ -12,10 +12,12 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from datetime import timedelta
 
@@ -162,6 +164,15 @@ def run_scenarios(rank, world):
         zero.load_checkpoint(opt, zero.latest_checkpoint(root))
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
         out[(stage, "resume")] = {"straight": straight, "resumed": opt.full_state_dict()}
+
+        # Buckets: consecutive units merged until each holds 600 bytes (Net's units: 312, 596,
+        # 596, 48 bytes and the head's bias): fewer, larger collectives; stage 3 ignores it.
+        model, opt = wrapped(rank, stage, "adamw", seed=100, bucket_bytes=600)
+        comm = [dict(opt.comm)]
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS,
+                  after_step=lambda: comm.append(dict(opt.comm)))
+        out[(stage, "bucketed")] = {"full": opt.full_state_dict(), "layout": layout(opt),
+                                    "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]}
 
         # Overlap off: the same run, every collective waited for where it is issued
         if stage >= 2:
@@ -335,6 +346,20 @@ def test_communication_matches_formula(ranks, stage, case):
         if case == "sgd" and stage < 3:  # the paper's 2Ψ(N-1)/N, up to padding
             formula = sum(zero.comm_formula(stage, rec["layout"]["psi"], world).values())
             assert abs(sum(rec["comm"][0].values()) - formula) <= 8 * world * len(rec["layout"]["S"])
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_buckets_merge_units_and_change_nothing_else(ranks, stage):
+    world, results = ranks
+    want = reference("adamw", world)
+    for res in results:
+        rec, plain = res[(stage, "bucketed")], res[(stage, "adamw")]
+        units = len(rec["layout"]["S"])
+        assert units == (len(plain["layout"]["S"]) if stage == 3 else 3)  # [emb, block 0], [block 1, norm], [head bias]
+        for name in want:
+            assert (rec["full"][name] - want[name]).abs().max().item() <= 1e-5, name
+        for step in rec["comm"]:  # the same bytes as the formula, in fewer calls
+            assert {k: v for k, v in step.items() if v} == {k: v for k, v in expected_comm(stage, "adamw", world, rec["layout"]).items() if v}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -709,3 +734,133 @@ def test_bad_checkpoints_are_refused_before_anything_changes(resharded):
     assert "AdamW" in refused["another optimizer"] and "SGD" in refused["another optimizer"]
     assert all(msg.count("\n") == 0 for msg in refused.values())
     assert resharded["two"]["unchanged"] == [True] * 4
+
+
+def disagree(rank, world):
+    # Ranks that chose another stage, or built another model, fail at wrap with a clear error
+    # instead of hanging in the first collective whose sizes differ.
+    errors = []
+    for stage, case in [(3 - rank, "adamw"), (2, "sgd" if rank else "adamw")]:  # "sgd": other units
+        try:
+            wrapped(rank, stage, case, seed=100)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_ranks_that_disagree_fail_fast():
+    for errors in spawn(2, "disagree"):
+        assert all(e and e.startswith("zero: ranks disagree: rank 0 has stage") for e in errors), errors
+        assert "rank 1 has stage 2" in errors[0] and "layout hash" in errors[1]
+
+
+CKPT = ["--stage", "2", "--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "2"]
+
+
+def workers_of(pid):
+    """The processes whose parent is pid (torchrun's workers), from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return kids
+
+
+def test_a_killed_rank_restarts_and_resumes_exactly(tmp_path):
+    # torchrun --max-restarts=1: SIGKILL one rank once the first checkpoint is complete; torchrun
+    # restarts the group, which resumes from the newest complete checkpoint. The final weights
+    # equal an uninterrupted run's, bit for bit.
+    steps, ckpt = "40", str(tmp_path / "killed")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # --standalone: a c10d rendezvous that starts each restart afresh (with torchrun's default
+    # static rendezvous the restarted gloo ranks wait for ever to connect, seen with torch 2.13)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           os.path.join(HERE, "zero.py"), *CKPT, "--steps", steps, "--ckpt-every", "4", "--ckpt-dir", ckpt]
+    straight = run_py(*CKPT, "--steps", steps, "--ckpt-dir", str(tmp_path / "straight"), torchrun=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
+    first = os.path.join(ckpt, "step_00000004", "manifest.json")
+    for _ in range(2400):
+        if os.path.exists(first) or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    victims = [p for p in workers_of(proc.pid) if "zero.py" in open(f"/proc/{p}/cmdline").read()]
+    assert len(victims) == 2, victims
+    os.kill(victims[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    resumed = re.findall(r"^resumed from .*step_(\d+): step (\d+)", out, re.M)
+    assert len(resumed) == 1 and 4 <= int(resumed[0][1]) < int(steps), out[-2000:]
+    assert losses(out)[-1] == losses(straight.stdout)[-1]
+    for name in ("killed", "straight"):
+        assert run_py("--consolidate", str(tmp_path / name), "--out", str(tmp_path / f"{name}.pt")).returncode == 0
+    a, b = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("killed", "straight"))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(os.listdir(ckpt)) == ["step_00000036", "step_00000040"]  # the newest two are kept
+
+
+def test_consolidate_and_init_from(tmp_path):
+    # A 2-rank stage-2 checkpoint -> one plain state_dict that the unwrapped model loads; then
+    # --init-from starts a 1-rank stage-3 run from it: its first loss is the loaded model's own.
+    ckpt, out_file = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    out = run_py(*CKPT, "--steps", "3", "--ckpt-dir", ckpt, torchrun=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_py("--consolidate", ckpt, "--out", out_file)
+    assert out.returncode == 0 and "step 3 (written at stage 2 by 2 rank(s)" in out.stdout, out.stderr
+    state = torch.load(out_file, weights_only=True)
+    model = zero.GPT(seq_len=32, d_model=32, n_layer=2, n_head=4)
+    model.load_state_dict(state)  # strict: every key of the model, nothing else
+    assert torch.equal(state["head.weight"], state["wte.weight"])
+    data = torch.frombuffer(bytearray(open(os.path.join(HERE, "zero.py"), "rb").read()), dtype=torch.uint8).long()
+    x, y = zero.get_batch(data, 1, 0, 0, 1, 2, 32, 0)
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    out = run_py(*CKPT, "--stage", "3", "--steps", "1", "--init-from", out_file)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert abs(losses(out.stdout)[0] - want) < 1e-5 and want < 5.4  # trained weights, not a fresh model
+
+
+def test_checkpoint_errors_are_one_line(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert run_py(*CKPT, "--steps", "1", "--ckpt-dir", ckpt).returncode == 0
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.zeros(2)}, plain)
+    cases = [(["--d-model", "64", "--ckpt-dir", ckpt], "checkpoint is for another model"),
+             (["--init-from", str(plain)], "--init-from"), (["--init-from", str(tmp_path / "none.pt")], "No such file"),
+             (["--consolidate", str(tmp_path)], "needs --out"),
+             (["--consolidate", str(tmp_path / "empty"), "--out", str(plain)], "no complete checkpoint"),
+             (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "zero.py"), *CKPT, "--steps", "2", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for args, _ in cases]
+    for (args, message), proc in zip(cases, procs):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and err.count("\n") == 1 and message in err, (args, err)
+        assert "Traceback" not in err and "step    1 |" not in out
+    assert torch.load(plain, weights_only=True)["x"].shape == (2,)  # a failed run wrote nothing
+
+
+def test_a_dead_rank_ends_the_job(tmp_path):
+    # Without torchrun to stop the group: rank 1 is killed mid-training; rank 0 leaves with a
+    # one-line error at once (gloo sees the closed connection), well within --timeout.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "zero.py"), *CKPT, "--steps", "100000",
+                               "--timeout", "30"], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for line in procs[0].stdout:
+        if line.startswith("step    3 |"):
+            break
+    procs[1].kill()
+    _, err = procs[0].communicate(timeout=90)
+    procs[1].communicate()
+    assert procs[0].returncode == 1
+    assert err.count("\n") == 1 and "rank 0: a collective failed" in err, err[-2000:]
