@@ -5,6 +5,9 @@ torch.distributed collectives, in one file you can read top to bottom.
     torchrun --nproc_per_node=4 zero.py --stage 2      # 4 ranks: gloo on CPU, or NCCL, one GPU each
     python zero.py --stage 3                           # one rank, the same code path
     python zero.py --estimate --params 7.5e9 --world-size 64   # the paper's Figure 1, no training
+    torchrun --standalone --nproc_per_node=4 --max-restarts=3 zero.py --ckpt-dir ckpt --ckpt-every 10
+                                                       # survives a killed rank; resumes at any N, any stage
+    python zero.py --consolidate ckpt --out model.pt   # one plain state_dict from the shards
 
 The problem. Plain data parallelism keeps a full copy of the *model state* on every rank:
 the parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision
@@ -49,11 +52,16 @@ command line. The classes share one interface, the one the tests and users call:
 The speed-ups are switches, each confined to one place, so the plain path still reads plainly:
 mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions and an fp32
 master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: stage 2's
-asynchronous reduce-scatters in ZeRO2._reduce_unit, stage 3's prefetch in ZeRO3._prefetch).
+asynchronous reduce-scatters in ZeRO2._reduce_unit, stage 3's prefetch in ZeRO3._prefetch),
+buckets (bucket_bytes, --bucket-mb: stages 0-2 merge small units, in DataParallel._buckets).
 
-What is left out, on purpose: checkpoints that change world size; bucketing units together (the
-unit is the bucket); activation memory (ZeRO-R: activation checkpointing and partitioning) and CPU
-offload (ZeRO-Offload/Infinity). Activations are not model state and no stage here shards them.
+Checkpoints (DataParallel.state_dict, then the section "Checkpoint files") are written by every
+rank in parallel, in model coordinates (parameter names, element ranges), so a checkpoint of N
+ranks at one stage loads at M ranks at another, exactly.
+
+What is left out, on purpose: activation memory (ZeRO-R: activation checkpointing and
+partitioning) and CPU offload (ZeRO-Offload/Infinity). Activations are not model state and no
+stage here shards them. Stages 0 and 1 reduce in step(), not during backward as DDP does.
 """
 import argparse
 import contextlib
