@@ -1138,10 +1138,11 @@ def train(args, build=None, keep_params=False, quiet=False):
     # Resume: the newest complete checkpoint, whatever stage and world size wrote it. The data
     # position is the step: get_batch() draws step k's global batch from a generator seeded by k.
     first, ckpt = 1, getattr(args, "ckpt_dir", None)
-    if ckpt and latest_checkpoint(ckpt):
-        manifest = load_checkpoint(opt, latest_checkpoint(ckpt))
+    found = latest_checkpoint(ckpt) if ckpt else None
+    if found:
+        manifest = load_checkpoint(opt, found)
         first = manifest["step"] + 1
-        log(f"resumed from {latest_checkpoint(ckpt)}: step {manifest['step']}, written at stage {manifest['stage']} "
+        log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
             f"by {manifest['world_size']} rank(s)")
         if manifest["extra"].get("data") != data_position(args, world):
             log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}, now "
