@@ -113,8 +113,8 @@ class Torch:
     """A PyTorch model and optimizer behind the interface zero.train measures (step, zero_grad,
     clip_grad_norm_, memory_breakdown, full_state_dict, comm): the same measurements for both."""
 
-    def __init__(self, model, optimizer, world, count_steps=None):
-        self.model, self.optimizer, self.world = model, optimizer, world
+    def __init__(self, model, optimizer, world, count_steps=None, net=None):
+        self.model, self.optimizer, self.world, self.net = model, optimizer, world, net
         self.count_steps = count_steps  # --bench counts only the first step: the mode costs time
         self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global numel
         self.comm = Counter()
@@ -130,6 +130,10 @@ class Torch:
     def clip_grad_norm_(self, max_norm):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: a DTensor norm
+
+    def no_sync(self):
+        # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2 and 3
+        return self.net.no_sync() if isinstance(self.net, DDP) else contextlib.nullcontext()
 
     def step(self):
         self.optimizer.step()
@@ -167,7 +171,7 @@ def pytorch(args, world, count_steps=None):
                 fully_shard(block, reshard_after_forward=args.stage == 3, mp_policy=mp)
             fully_shard(model, reshard_after_forward=args.stage == 3, mp_policy=mp)
             net, optimizer = model, zero.adamw(args)(model.parameters())
-        return net, Torch(model, optimizer, world, count_steps), f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
+        return net, Torch(model, optimizer, world, count_steps, net), f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
     return build
 
 

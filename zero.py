@@ -5,7 +5,7 @@ torch.distributed collectives, in one file you can read top to bottom.
     torchrun --nproc_per_node=4 zero.py --stage 2      # 4 ranks: gloo on CPU, or NCCL, one GPU each
     python zero.py --stage 3                           # one rank, the same code path
     python zero.py --estimate --params 7.5e9 --world-size 64   # the paper's Figure 1, no training
-    torchrun --standalone --nproc_per_node=4 --max-restarts=3 zero.py --ckpt-dir ckpt --ckpt-every 10
+    torchrun --nproc_per_node=4 --max-restarts=3 zero.py --ckpt-dir ckpt --ckpt-every 10
                                                        # survives a killed rank; resumes at any N, any stage
     python zero.py --consolidate ckpt --out model.pt   # one plain state_dict from the shards
 
@@ -126,10 +126,22 @@ def setup(backend=None, device=None, timeout_s=120):
         # timeout_s instead of waiting forever.
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def _attempt_store(timeout):
+    """The key-value store torchrun describes (what init_process_group's env:// would use), its
+    keys prefixed by the restart attempt. Gotcha: after torchrun --max-restarts restarts a failed
+    group, the store still holds the old ranks' gloo addresses, and a new rank that reads one
+    before its new owner overwrites it waits for ever to connect to a dead process."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent and os.environ["RANK"] == "0", timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,6 +178,7 @@ class Unit:
         self.grad = None                   # [N*S] the full gradient, when this rank holds one
         self.grad_shard = None             # [S] the owned 1/N of the averaged gradient
         self.ready = 0                     # parameters whose gradient arrived in this backward
+        self.dirty = False                 # holds local gradients not reduced yet
         self.users = 0                     # stage 3: modules computing with the gathered unit now
         self.work = None                   # stage 3: an all-gather in flight (a prefetch)
 
@@ -220,17 +233,24 @@ class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
     averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
 
-    This is DDP's job, minus its overlap: DDP all-reduces each bucket during backward, here the
-    all-reduce waits for step(), which keeps accumulation over several backward calls free."""
+    This is DDP's job, done DDP's way: as soon as backward has produced the last gradient of a unit
+    (a bucket), its all-reduce is launched asynchronously and backward goes on computing the next
+    units' gradients meanwhile; step() waits for what is still in flight. With overlap=False
+    everything is reduced in step() instead. Gradient accumulation: backward calls inside
+    `with optimizer.no_sync():` only add up local gradients (as DDP's no_sync), so the
+    reduction happens once per step, in the last micro-batch."""
 
     stage = 0
+    _end_queued = False  # is _end_of_backward already queued for the backward now running?
+    _sync = False        # reduce during backward? False inside no_sync()
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
                  bucket_bytes=0):
         self.model = model
-        self.overlap = overlap  # stages 2 and 3: communicate while autograd computes (see ZeRO2, ZeRO3)
+        self.overlap = overlap  # communicate while autograd computes (reductions, stage 3's gathers)
         self.bucket_bytes = bucket_bytes  # stages 0-2: merge units into buckets this big (see _buckets)
-        self._in_flight = []    # stage 2: reduce-scatters launched, not yet added into the shards
+        self._sync = True
+        self._in_flight = []    # reductions launched during backward, their results not yet used
         # Mixed precision (the paper's accounting): compute, gradients and all-gathers in
         # param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over N ranks in
         # bf16 loses bits), and an fp32 master copy of this rank's shard for the optimizer, which
@@ -344,12 +364,70 @@ class DataParallel:
     def _for_reduce(self, grad):
         return grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)  # no copy if equal
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward calls inside only add up local gradients, as DDP's no_sync(): the next backward
+        outside (or step()) reduces their sum, so k micro-batches cost one reduction, not k.
+        Stages 2 and 3 reduce-scatter in every backward regardless: that is what frees their full
+        gradients (ZeRO2)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def _on_grad(self, unit, p):
         if self._reduced:  # adding local gradients to averaged ones would silently be wrong
             raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): call zero_grad() first")
+        if not self._end_queued:  # a parameter unused in this backward never reports: catch it at the end
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
         # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
         unit.grad_view(p).add_(p.grad)
         p.grad = None
+        unit.dirty, unit.ready = True, unit.ready + 1
+        if unit.ready == len(unit.params) and self._reduce_in_backward():  # backward is done with it
+            self._reduce_unit(unit)
+
+    def _reduce_in_backward(self):
+        return self.overlap and self._sync  # stages 0 and 1 reduce in backward only to overlap
+
+    def _end_of_backward(self):
+        # Runs once when the autograd engine finishes a backward. Units that some parameter of
+        # did not receive a gradient (unused in this forward) are reduced here, in unit order, the
+        # same on every rank. (If ranks use different parameters, the collectives no longer match
+        # and the job hangs until the timeout, as in DDP without find_unused_parameters.)
+        self._end_queued = False
+        for unit in self.units:
+            if unit.dirty and self._reduce_in_backward():
+                self._reduce_unit(unit)
+            unit.ready = 0
+        self._land_reduced()  # the end of backward is where overlap waits
+
+    def _reduce_unit(self, unit):
+        g = self._for_reduce(unit.grad)
+        work = dist.all_reduce(g, async_op=self.overlap)  # [N*S] sum over ranks
+        self._sent("all_reduce", g)
+        unit.dirty = False
+        self._in_flight.append((work, unit, g))
+        self._land_reduced(wait=not self.overlap)
+
+    def _land_reduced(self, wait=True):
+        # Overlap: with async_op=True the collective runs on the backend's own thread while
+        # autograd goes on computing the next unit's gradients. As FSDP2 does we keep one in
+        # flight (stage 2 holds a full-unit buffer for each): launching the next waits for the
+        # last. They land oldest first, the same order as without overlap, so the sums are the same.
+        while self._in_flight and (wait or len(self._in_flight) > 1 or self._in_flight[0][0].is_completed()):
+            work, unit, reduced = self._in_flight.pop(0)
+            if work is not None:
+                work.wait()
+            self._land(unit, reduced)
+
+    def _land(self, unit, g):
+        # / N: the global-batch mean, on every rank. A later backward (accumulation without
+        # no_sync) adds local gradients to it, and reducing again is still right: every rank adds
+        # the same mean, so (N·mean + sum of new) / N = mean + the new mean. (DDP does the same.)
+        unit.grad.copy_(g.div_(self.world))
 
     def _sent(self, kind, full):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M bytes):
@@ -359,13 +437,14 @@ class DataParallel:
         self.comm[kind] += times * (self.world - 1) * full.numel() * full.element_size() / self.world
 
     def _reduce_grads(self):
+        # clip_grad_norm_() and step() start here: reduce what no backward has reduced (all of it
+        # with overlap=False; the micro-batches of no_sync()), and wait for what is in flight.
         if self._reduced:
             return
         for unit in self.units:
-            g = self._for_reduce(unit.grad)
-            dist.all_reduce(g)  # [N*S] sum over ranks, then / N: the global-batch mean
-            self._sent("all_reduce", g)
-            unit.grad.copy_(g.div_(self.world))
+            if unit.dirty:
+                self._reduce_unit(unit)
+        self._land_reduced()
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -405,6 +484,7 @@ class DataParallel:
             u.grad_shard.zero_()
             if u.grad is not None:
                 u.grad.zero_()
+            u.dirty = False
         self._reduced = False
 
     def memory_breakdown(self):
@@ -574,17 +654,31 @@ class ZeRO1(DataParallel):
     def _owned(self, unit):
         return unit.mine
 
+    def _reduce_unit(self, unit):
+        # In place: input is the full [N*S] gradient, output is this rank's [S] slice of it.
+        # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
+        g = self._for_reduce(unit.grad)
+        mine = g[unit.mine]
+        work = dist.reduce_scatter_tensor(mine, g, async_op=self.overlap)
+        self._sent("reduce_scatter", g)
+        unit.dirty = False
+        self._in_flight.append((work, unit, mine))
+        self._land_reduced(wait=not self.overlap)
+
+    def _land(self, unit, mine):
+        # This rank's [S] now holds the sum over ranks of its slice. The rest of the buffer still
+        # holds this rank's local values, which that sum counts already: zero them, so that a
+        # later backward adds only new gradients. Keep the sum, not the mean: the next
+        # reduce-scatter then adds the new sums to it, and _reduce_grads divides once, at the end.
+        unit.grad_shard.copy_(mine)
+        unit.grad[:unit.mine.start].zero_()
+        unit.grad[unit.mine.stop:].zero_()
+
     def _reduce_grads(self):
-        if self._reduced:
-            return
-        for unit in self.units:
-            # In place: input is the full [N*S] gradient, output is this rank's [S] slice of it.
-            # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
-            g = self._for_reduce(unit.grad)
-            dist.reduce_scatter_tensor(g[unit.mine], g)
-            self._sent("reduce_scatter", g)
-            unit.grad_shard.copy_(g[unit.mine].div_(self.world))
-        self._reduced = True
+        if not self._reduced:
+            super()._reduce_grads()
+            for unit in self.units:
+                unit.grad_shard.div_(self.world)  # the sum over ranks / N: the global-batch mean
 
     def _sum_of_squares(self):
         # Each rank holds 1/N of the gradient: add up the squares of all shards first.
@@ -618,11 +712,10 @@ class ZeRO2(ZeRO1):
 
     Timing is the whole point (THEORY.md): a "ZeRO-2" that reduce-scatters after backward has
     finished holds every full gradient at the peak and saves nothing. Trade-off: with gradient
-    accumulation every backward call now communicates (stage 0 and 1 wait for step())."""
+    accumulation every backward call now communicates (stages 0 and 1 can defer to the last
+    micro-batch with no_sync(); here that would keep the full gradient)."""
 
     stage = 2
-
-    _end_queued = False  # is _end_of_backward already queued for the backward now running?
 
     def _shard(self, unit):
         unit.shard = unit.master = unit.flat[unit.mine]
@@ -630,51 +723,20 @@ class ZeRO2(ZeRO1):
         unit.grad_shard = torch.zeros_like(unit.shard)  # [S] accumulates over backward calls
 
     def _on_grad(self, unit, p):
-        if not self._end_queued:  # a parameter unused in this backward never reports: catch it at the end
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_queued = True
         if unit.grad is None:
             unit.grad = torch.zeros_like(unit.flat)     # [N*S], lives only until the unit is complete
             self._track_peak()
         super()._on_grad(unit, p)
-        unit.ready += 1
-        if unit.ready == len(unit.params):  # backward is done with this unit: reduce it now
-            self._reduce_unit(unit)
+
+    def _reduce_in_backward(self):
+        return True  # always, overlap or not, no_sync or not: it is what frees the full gradient
 
     def _reduce_unit(self, unit):
-        g = self._for_reduce(unit.grad)
-        mine = g[unit.mine]
-        work = dist.reduce_scatter_tensor(mine, g, async_op=self.overlap)  # in place, as in ZeRO1
-        self._sent("reduce_scatter", g)
-        unit.grad, unit.ready = None, 0  # dropped here; `mine` keeps the [N*S] buffer until added
-        self._in_flight.append((work, unit, mine))
-        self._add_reduced(wait=not self.overlap)
+        super()._reduce_unit(unit)  # the same reduce-scatter as ZeRO1, launched during backward
+        unit.grad = None  # dropped here; the reduced slice keeps the [N*S] buffer until it lands
 
-    def _add_reduced(self, wait=True):
-        # Overlap: with async_op=True the reduce-scatter runs on the backend's own thread while
-        # autograd goes on computing the next unit's gradients. Each in flight holds its [N*S]
-        # buffer, so as FSDP2 does we keep one in flight: launching the next waits for the last.
-        # They are added into the shards oldest first, the same order as without overlap, so the
-        # sums are bit-identical; the [N*S] buffer is freed then.
-        while self._in_flight and (wait or len(self._in_flight) > 1 or self._in_flight[0][0].is_completed()):
-            work, unit, mine = self._in_flight.pop(0)
-            if work is not None:
-                work.wait()
-            unit.grad_shard.add_(mine.div_(self.world))
-
-    def _end_of_backward(self):
-        # Runs once when the autograd engine finishes a backward. Units that some parameter of
-        # did not receive a gradient (unused in this forward) are reduced here, in unit order, the
-        # same on every rank. (If ranks use different parameters, the collectives no longer match
-        # and the job hangs until the timeout, as in DDP without find_unused_parameters.)
-        self._end_queued = False
-        for unit in self.units:
-            if unit.grad is not None:
-                self._reduce_unit(unit)
-        self._add_reduced()  # the end of backward is where overlap waits
-
-    def _reduce_grads(self):
-        self._add_reduced()  # nothing left normally: done, unit by unit, during backward
+    def _land(self, unit, mine):
+        unit.grad_shard.add_(mine)  # the sum over ranks, added up over backward calls; / N at the end
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1158,9 +1220,11 @@ def train(args, build=None, keep_params=False, quiet=False):
         with counting():
             for micro in range(args.grad_accum):
                 x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len, args.seed)
-                logits = net(x.to(device)).float()
-                loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten()) / args.grad_accum
-                loss.backward()
+                # all micro-batches but the last accumulate locally: one reduction per step
+                with opt.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
+                    logits = net(x.to(device)).float()
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten()) / args.grad_accum
+                    loss.backward()
                 loss_sum += loss.detach()
             norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
             opt.step()
