@@ -51,9 +51,10 @@ command line. The classes share one interface, the one the tests and users call:
 
 The speed-ups are switches, each confined to one place, so the plain path still reads plainly:
 mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions and an fp32
-master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: stage 2's
-asynchronous reduce-scatters in ZeRO2._reduce_unit, stage 3's prefetch in ZeRO3._prefetch),
-buckets (bucket_bytes, --bucket-mb: stages 0-2 merge small units, in DataParallel._buckets).
+master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: each
+unit's reduction launched asynchronously during backward, in DataParallel._reduce_unit and
+_land_reduced; stage 3's prefetch in ZeRO3._prefetch), buckets (bucket_bytes, --bucket-mb:
+stages 0-2 merge small units, in DataParallel._buckets).
 
 Checkpoints (DataParallel.state_dict, then the section "Checkpoint files") are written by every
 rank in parallel, in model coordinates (parameter names, element ranges), so a checkpoint of N
@@ -61,7 +62,7 @@ ranks at one stage loads at M ranks at another, exactly.
 
 What is left out, on purpose: activation memory (ZeRO-R: activation checkpointing and
 partitioning) and CPU offload (ZeRO-Offload/Infinity). Activations are not model state and no
-stage here shards them. Stages 0 and 1 reduce in step(), not during backward as DDP does.
+stage here shards them.
 """
 import argparse
 import contextlib
@@ -241,6 +242,7 @@ class DataParallel:
     reduction happens once per step, in the last micro-batch."""
 
     stage = 0
+    _grad_views = True   # p.grad stays a view into the unit's gradient buffer (see _on_grad)
     _end_queued = False  # is _end_of_backward already queued for the backward now running?
     _sync = False        # reduce during backward? False inside no_sync()
 
@@ -383,8 +385,12 @@ class DataParallel:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._end_queued = True
         # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
-        unit.grad_view(p).add_(p.grad)
-        p.grad = None
+        # Stages 0 and 1 keep that buffer, and leave p.grad as a view into it, as DDP's
+        # gradient_as_bucket_view: the next backward's autograd adds into it in place, no copy.
+        view = unit.grad_view(p)
+        if p.grad.data_ptr() != view.data_ptr():  # a new tensor from autograd (the first backward)
+            view.add_(p.grad)
+        p.grad = view if self._grad_views else None
         unit.dirty, unit.ready = True, unit.ready + 1
         if unit.ready == len(unit.params) and self._reduce_in_backward():  # backward is done with it
             self._reduce_unit(unit)
@@ -716,6 +722,7 @@ class ZeRO2(ZeRO1):
     micro-batch with no_sync(); here that would keep the full gradient)."""
 
     stage = 2
+    _grad_views = False  # the buffer is freed once reduced: p.grad must not keep it alive
 
     def _shard(self, unit):
         unit.shard = unit.master = unit.flat[unit.mine]
@@ -890,7 +897,7 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     the torch optimizer itself is `.optimizer` (attach LR schedulers to that).
     units: the modules communicated as one (stage 3 gathers them one by one); default_units(model).
     param_dtype: e.g. torch.bfloat16 for mixed precision; reduce_dtype: of the gradient reductions
-    (default float32 in mixed precision). overlap: communicate while computing (stages 2 and 3).
+    (default float32 in mixed precision). overlap: reduce during backward, prefetch in stage 3.
     bucket_bytes: stages 0-2 merge consecutive units until each holds this many bytes (0: every
     unit is its own bucket); stage 3 gathers unit by unit and ignores it."""
     if stage not in range(len(STAGES)):
@@ -1067,7 +1074,8 @@ def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8
 
 def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1):
     """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k micro-batches
-    stages 2 and 3 reduce-scatter in every backward, and stage 3 gathers in every forward and backward."""
+    stages 0 and 1 reduce once (all but the last in no_sync()), stages 2 and 3 reduce-scatter in
+    every backward, and stage 3 gathers in every forward and backward."""
     ring, k = (world - 1) / world * psi, micro_batches
     g, r = ring * gather_bytes, ring * reduce_bytes
     return [{"all_reduce": 2 * r},
@@ -1343,7 +1351,7 @@ def training_parser(description):
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
-    p.add_argument("--no-overlap", action="store_true", help="stages 2, 3: wait for each collective (no async, no prefetch)")
+    p.add_argument("--no-overlap", action="store_true", help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
     p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: merge units into buckets of this many MiB "
                    "(DDP: 25; default 0, each unit its own bucket)")
     return p
