@@ -55,6 +55,7 @@ import argparse
 import contextlib
 import gc
 import statistics
+import time
 from collections import Counter
 
 import torch
@@ -268,6 +269,23 @@ def bench(args):
             f" {last['zero.py']['sent'][0]:>11,.0f} {formula:>11,.0f}")
     log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params + grads"
         " + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or 3Ψ (N-1)/N x 4 bytes")
+    # What the backend charges for each collective on the same bytes: ZeRO's "stage 1 costs what
+    # stage 0 costs" assumes reduce-scatter + all-gather = all-reduce, as ring algorithms give.
+    psi = rows[-1][2]
+    x, times = torch.randn(psi // world * world), {}
+    shard, full = torch.empty(x.numel() // world), torch.empty_like(x)
+    for name, call in [("all_reduce", lambda: dist.all_reduce(x)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
+                       ("all_gather", lambda: dist.all_gather_into_tensor(full, shard))]:
+        took = []
+        for _ in range(1 + args.repeats):  # the first is a warm-up
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            took.append(time.perf_counter() - t0)
+        times[name] = statistics.median(took[1:]) * 1e3
+    log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 gradients), median ms: " +
+        ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
+        f"; reduce_scatter + all_gather / all_reduce = {(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f}")
 
 
 def main(argv=None):
