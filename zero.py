@@ -538,6 +538,7 @@ class DataParallel:
         of this rank's state_dict() needs to know. Equal on every rank."""
         names = {p: n for n, p in self.model.named_parameters()}
         return {"stage": self.stage, "world_size": self.world, "psi": self.psi,
+                "dtype": {"compute": str(self.units[0].flat.dtype), "master": "torch.float32"},
                 "units": [[[names[p], list(p.shape)] for p in u.params] for u in self.units],
                 "replicated": {n: list(t.shape) for n, t in self._replicated()}}
 
