@@ -36,18 +36,23 @@ What it costs, per rank per optimizer step, counted as elements sent by a ring a
     stage 3   all_gather in forward + in backward + reduce_scatter   3Ψ (N-1)/N  1.5x
 
 So stages 1 and 2 are free in communication: an all-reduce *is* a reduce-scatter followed by an
-all-gather, and ZeRO just puts the optimizer step in between. Stage 3 pays 50% more, and
-latency: every unit waits for its all-gather before it can compute.
+all-gather, and ZeRO just puts the optimizer step in between. (Free in bytes; in time only where
+the backend's reduce-scatter and all-gather are as fast as its all-reduce, as NCCL's rings are.
+gloo's are not: fsdp_demo.py --bench measures it.) Stage 3 pays 50% more, and latency: every
+unit waits for its all-gather before it can compute.
 
 How to read this file. The sections below run in the order the code does: set-up, the sharded
 layout (a Unit), then one class per stage, each a small diff on the one before it (stop reading
-after ZeRO1 and you know ZeRO-1), then the demo model and data, then the measurements and the
-command line. The classes share one interface, the one the tests and users call:
+after ZeRO1 and you know ZeRO-1), then the checkpoint files, the demo model and data, then the
+measurements and the command line. The classes share one interface, the one the tests and users call:
 
     optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    loss_fn(model(x), y).backward()     # as often as you like: gradients accumulate
+    with optimizer.no_sync():           # optional: micro-batches that only accumulate (DDP's idiom)
+        loss_fn(model(x1), y1).backward()
+    loss_fn(model(x2), y2).backward()   # gradients accumulate; this one reduces
     optimizer.clip_grad_norm_(1.0)      # optional, global norm over all shards
     optimizer.step(); optimizer.zero_grad()
+    zero.save_checkpoint(optimizer, "ckpt", step)   # sharded; loads at any stage and world size
 
 The speed-ups are switches, each confined to one place, so the plain path still reads plainly:
 mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions and an fp32
