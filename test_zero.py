@@ -659,6 +659,18 @@ def reshard_read(rank, world):
         train_rows(model, opt, rank, world, 2, 2)
         out[stage] = {"full": opt.full_state_dict(), "extra": manifest["extra"]}
     if world == 2:
+        # bf16 compute, fp32 masters: loading and saving again keeps every fp32 value
+        model, opt, _ = _load_fresh(rank, 2, source, param_dtype=torch.bfloat16)
+        zero.save_checkpoint(opt, os.path.join(tmp, "bf16"), 2)
+        # an optimizer without state (plain SGD): a round trip at stage 3 is exact
+        plain = functools.partial(torch.optim.SGD, lr=0.1)
+        model = Net(seed=100)
+        opt = zero.wrap(model, 3, plain)
+        train_rows(model, opt, rank, world, 1, 0)
+        zero.save_checkpoint(opt, os.path.join(tmp, "sgd"), 1)
+        fresh = zero.wrap(Net(seed=7), 3, plain)
+        zero.load_checkpoint(fresh, zero.latest_checkpoint(os.path.join(tmp, "sgd")))
+        out["sgd"] = (opt.full_state_dict(), fresh.full_state_dict())
         out["refused"] = {}
         for bad in ["corrupt", "truncated", "missing", "incomplete"]:
             model, opt = wrapped(rank, 2, "adamw", seed=100)
@@ -698,7 +710,7 @@ def resharded():
         two = spawn(2, "reshard_read", shared=tmp)[0]
         four = spawn(4, "reshard_read", shared=tmp)[0]
         states = {name: full_checkpoint(os.path.join(tmp, name, "step_00000002"))
-                  for name in ["a"] + [f"{x}{s}" for x in "bc" for s in range(4)]}
+                  for name in ["a", "bf16"] + [f"{x}{s}" for x in "bc" for s in range(4)]}
         yield {"straight": straight, "two": two, "four": four, "states": states}
 
 
@@ -750,6 +762,13 @@ def test_reshard_trains_on_as_if_nothing_changed(resharded, stage):
             assert (got[name] - want[name]).abs().max().item() <= 1e-5, (run, name)
     assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-2
     assert resharded["two"][stage]["extra"] == {"note": "from N=4"}
+
+
+def test_checkpoints_with_bf16_compute_and_without_optimizer_state(resharded):
+    want, got = resharded["states"]["a"], resharded["states"]["bf16"]
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want if k != "scalars")
+    before, after = resharded["two"]["sgd"]
+    assert all(torch.equal(before[n], after[n]) for n in before)
 
 
 def test_bad_checkpoints_are_refused_before_anything_changes(resharded):
