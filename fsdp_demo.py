@@ -43,12 +43,13 @@ FSDP2's knobs and the zero.py code that does the same job:
   one flat buffer per unit. Both give each rank 1/N of every unit.
 
 What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: CUDA streams and events for
-overlap (zero.py uses the backends' async work handles, which is all gloo has), bucketing several
-units into one collective, per-parameter groups; CPU and NVMe offload (ZeRO-Offload/Infinity:
+overlap (zero.py uses the backends' async work handles, which is all gloo has), per-parameter
+groups; CPU and NVMe offload (ZeRO-Offload/Infinity:
 another memory tier, not another idea); hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
 communication (ZeRO++); activation checkpointing and ZeRO-R's activation partitioning
-(activations are not model state); DTensor state dicts and torch.distributed.checkpoint for
-resharding (zero.py's checkpoints are per rank); torch.compile integration. Each is an
+(activations are not model state); DTensor state dicts and torch.distributed.checkpoint (zero.py's
+checkpoints do the same job in small: a file per rank plus a manifest, resharded when loaded);
+torch.compile integration. Each is an
 optimization on top of the three sharding ideas, and each would double the code to read.
 """
 import argparse

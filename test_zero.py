@@ -707,11 +707,11 @@ def resharded():
         os.truncate(damaged("truncated", 3), os.path.getsize(damaged("truncated", 3)) - 100)
         os.remove(damaged("missing", 1))
         os.remove(os.path.join(tmp, "incomplete", "step_00000002", "manifest.json"))
-        two = spawn(2, "reshard_read", shared=tmp)[0]
+        two, two_rank1 = spawn(2, "reshard_read", shared=tmp)
         four = spawn(4, "reshard_read", shared=tmp)[0]
         states = {name: full_checkpoint(os.path.join(tmp, name, "step_00000002"))
                   for name in ["a", "bf16"] + [f"{x}{s}" for x in "bc" for s in range(4)]}
-        yield {"straight": straight, "two": two, "four": four, "states": states}
+        yield {"straight": straight, "two": two, "four": four, "states": states, "two_rank1": two_rank1}
 
 
 def full_checkpoint(path):
@@ -775,6 +775,7 @@ def test_bad_checkpoints_are_refused_before_anything_changes(resharded):
     refused = resharded["two"]["refused"]
     assert "corrupt" in refused["corrupt"] and "rank_00002.pt" in refused["corrupt"]
     assert "truncated" in refused["truncated"] and "rank_00003.pt" in refused["truncated"]
+    assert resharded["two_rank1"]["refused"] == refused  # the same message on both ranks, whichever found it
     assert "missing" in refused["missing"] and "rank_00001.pt" in refused["missing"]
     assert "no manifest.json" in refused["incomplete"]
     assert "another model" in refused["another model"] and "'0.weight'" in refused["another model"]

@@ -1039,10 +1039,16 @@ def load_checkpoint(opt, path):
         opt._check_checkpoint(parts, manifest)
     except CheckpointError as e:
         error = str(e)
-    failed = torch.tensor([int(bool(error))], device=opt.units[0].flat.device)
-    dist.all_reduce(failed)  # agree before anyone changes anything (or waits in a collective alone)
-    if failed.item():
-        raise CheckpointError(error or f"{path}: another rank could not read this checkpoint")
+    # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
+    # up to 512 bytes of it, goes to every rank, and all raise the first one.
+    mine = torch.zeros(512, dtype=torch.uint8, device=opt.units[0].flat.device)
+    text = error.encode()[:512]
+    mine[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    every = torch.empty(opt.world * 512, dtype=torch.uint8, device=mine.device)
+    dist.all_gather_into_tensor(every, mine)
+    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every.view(opt.world, 512).tolist()]
+    if any(errors):
+        raise CheckpointError(next(e for e in errors if e))
     opt.load_state_dict(parts, manifest)
     return manifest
 
