@@ -504,13 +504,18 @@ class DataParallel:
         not model state that ZeRO shards and are not counted."""
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         state += [u.master for u in self.units if u.master is not u.shard]  # the fp32 master copy
+        return {**self._params_and_grads(), "optimizer": _nbytes(state)}
+
+    def _params_and_grads(self):
         return {"params": _nbytes([u.flat for u in self.units] + [u.shard for u in self.units]),
                 "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]
-                                 + [mine for _, _, mine in self._in_flight]),
-                "optimizer": _nbytes(state)}
+                                 + [mine for _, _, mine in self._in_flight])}
 
-    def _track_peak(self):
-        for kind, n in self.memory_breakdown().items():
+    def _track_peak(self, during_step=False):
+        # During forward and backward only parameters (stage 3's gathers) and gradients (stage 2's
+        # buffers) come and go; the optimizer state changes in step() alone, so it is not recounted.
+        now = self._params_and_grads() if during_step else self.memory_breakdown()
+        for kind, n in now.items():
             self.peak[kind] = max(self.peak[kind], n)
 
     def full_state_dict(self):
@@ -738,7 +743,7 @@ class ZeRO2(ZeRO1):
     def _on_grad(self, unit, p):
         if unit.grad is None:
             unit.grad = torch.zeros_like(unit.flat)     # [N*S], lives only until the unit is complete
-            self._track_peak()
+            self._track_peak(during_step=True)
         super()._on_grad(unit, p)
 
     def _reduce_in_backward(self):
@@ -798,7 +803,7 @@ class ZeRO3(ZeRO2):
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.work = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
             self._sent("all_gather", unit.flat)
-            self._track_peak()
+            self._track_peak(during_step=True)
         if unit.work is not None and not prefetch:  # needed now: wait for the prefetch to land
             unit.work.wait()
             unit.work = None
