@@ -228,7 +228,7 @@ def _nbytes_of(params):
 def _nbytes(tensors):
     """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
     is not counted twice and a freed buffer (storage resized to 0) counts 0."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
     return sum(n for ptr, n in storages.items() if ptr)
 
 
