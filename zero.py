@@ -1044,6 +1044,8 @@ def load_checkpoint(opt, path):
         opt._check_checkpoint(parts, manifest)
     except CheckpointError as e:
         error = str(e)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a well-formed file of other contents
+        error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"[:500]
     # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
     # up to 512 bytes of it, goes to every rank, and all raise the first one.
     mine = torch.zeros(512, dtype=torch.uint8, device=opt.units[0].flat.device)
