@@ -941,9 +941,13 @@ def _atomic_write(path, write):
         f.flush()
         os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
     os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    _fsync_dir(os.path.dirname(path))  # and so is the rename
+
+
+def _fsync_dir(path):
+    fd = os.open(path or ".", os.O_RDONLY)
     try:
-        os.fsync(fd)  # and so is the rename
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -979,6 +983,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     """Write opt's checkpoint for `step` under root (every rank calls this; a collective)."""
     path = os.path.join(root, f"step_{step:08d}")
     os.makedirs(path, exist_ok=True)
+    _fsync_dir(root)  # the new directory's name is on disk before older checkpoints can be deleted
     name = os.path.join(path, f"rank_{opt.rank:05d}.pt")
     _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
