@@ -225,6 +225,15 @@ def _nbytes_of(params):
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _all_ranks(row, device, dtype=torch.int64):
+    """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather.
+    (all_gather_object would do it for any object, but needs numpy, which torch does not install.)"""
+    mine = torch.tensor(row, dtype=dtype, device=device)
+    every = torch.empty(dist.get_world_size() * len(row), dtype=dtype, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    return every.view(dist.get_world_size(), len(row)).tolist()
+
+
 def _nbytes(tensors):
     """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
     is not counted twice and a freed buffer (storage resized to 0) counts 0."""
@@ -348,11 +357,7 @@ class DataParallel:
         # collective is a small one every rank can make: stage, Ψ and a hash of the layout.
         layout = {k: v for k, v in self.layout().items() if k != "world_size"}
         digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).digest()[:8]
-        mine = torch.tensor([self.stage, self.psi, int.from_bytes(digest, "little", signed=True)],
-                            device=self.units[0].flat.device)
-        every = torch.empty(self.world * 3, dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine)
-        rows = every.view(self.world, 3).tolist()
+        rows = _all_ranks([self.stage, self.psi, int.from_bytes(digest, "little", signed=True)], self.units[0].flat.device)
         for r, (stage, psi, digest) in enumerate(rows):
             if (stage, psi, digest) != tuple(rows[0]):
                 raise ValueError(f"zero: ranks disagree: rank 0 has stage {rows[0][0]}, Ψ = {rows[0][1]:,}, "
@@ -988,13 +993,10 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
-    mine = torch.tensor([os.path.getsize(name)] + torch.frombuffer(bytearray.fromhex(_sha256(name)), dtype=torch.int64).tolist(),
-                        device=opt.units[0].flat.device)
-    every = torch.empty(opt.world * 5, dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(every, mine)
+    digest = bytes.fromhex(_sha256(name))  # 32 bytes
+    rows = _all_ranks([os.path.getsize(name), *digest], opt.units[0].flat.device)
     if opt.rank == 0:
-        files = {f"rank_{r:05d}.pt": [row[0], bytes(torch.tensor(row[1:]).view(torch.uint8).tolist()).hex()]
-                 for r, row in enumerate(every.view(opt.world, 5).tolist())}
+        files = {f"rank_{r:05d}.pt": [row[0], bytes(row[1:]).hex()] for r, row in enumerate(rows)}
         aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
         keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         manifest = {"format": FORMAT, "step": step, **opt.layout(), "optimizer": type(opt.optimizer).__name__,
@@ -1053,12 +1055,9 @@ def load_checkpoint(opt, path):
         error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"[:500]
     # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
     # up to 512 bytes of it, goes to every rank, and all raise the first one.
-    mine = torch.zeros(512, dtype=torch.uint8, device=opt.units[0].flat.device)
     text = error.encode()[:512]
-    mine[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    every = torch.empty(opt.world * 512, dtype=torch.uint8, device=mine.device)
-    dist.all_gather_into_tensor(every, mine)
-    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every.view(opt.world, 512).tolist()]
+    rows = _all_ranks(list(text.ljust(512, b"\0")), opt.units[0].flat.device, dtype=torch.uint8)
+    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
     if any(errors):
         raise CheckpointError(next(e for e in errors if e))
     opt.load_state_dict(parts, manifest)
@@ -1272,18 +1271,16 @@ def train(args, build=None, keep_params=False, quiet=False):
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
         if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
             save_checkpoint(opt, ckpt, step, extra={"data": data_position(args, world)})
-    # Every rank's measurements, gathered as one int64 tensor each (all_gather_object would need
-    # numpy): params, grads, optimizer held; the same at their peak; CUDA's peak (-1: none).
+    # Every rank's measurements: params, grads, optimizer held; the same at their peak; CUDA's
+    # peak (-1: none).
     kinds = ("params", "grads", "optimizer")
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    mine = torch.tensor([mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak], device=device)
-    ranks = torch.empty(world * len(mine), dtype=mine.dtype, device=device)
-    dist.all_gather_into_tensor(ranks, mine)
-    most = ranks.view(world, -1).max(0).values.tolist()
+    ranks = _all_ranks([mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak], device)
+    most = [max(column) for column in zip(*ranks)]
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
             "times": times, "sent": sent, "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
             "mem": dict(zip(kinds, most[:3])), "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
-            "cuda_peak": ranks.view(world, -1)[:, 6].tolist() if cuda_peak >= 0 else None,
+            "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
             "full": opt.full_state_dict() if keep_params else None}
 
 
