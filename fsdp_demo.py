@@ -82,7 +82,8 @@ class CommCounter(TorchDispatchMode):
     few bytes of clip_grad_norm_'s norm over FSDP2's sharded gradients."""
 
     KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),  # (name, kind, ring cost x)
-             ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1)]
+             ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1),
+             ("alltoall", "all_to_all", 1)]
 
     def __init__(self, world, comm):
         super().__init__()
@@ -276,7 +277,9 @@ def bench(args):
     x, times = torch.randn(psi // world * world), {}
     shard, full = torch.empty(x.numel() // world), torch.empty_like(x)
     for name, call in [("all_reduce", lambda: dist.all_reduce(x)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
-                       ("all_gather", lambda: dist.all_gather_into_tensor(full, shard))]:
+                       ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
+                       ("zero.reduce_scatter", lambda: zero.reduce_scatter(shard, x)),
+                       ("zero.all_gather", lambda: zero.all_gather(full, shard))]:
         took = []
         for _ in range(1 + args.repeats):  # the first is a warm-up
             dist.barrier()
@@ -286,7 +289,9 @@ def bench(args):
         times[name] = statistics.median(took[1:]) * 1e3
     log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 gradients), median ms: " +
         ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
-        f"; reduce_scatter + all_gather / all_reduce = {(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f}")
+        f"; reduce_scatter + all_gather / all_reduce = {(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f},"
+        f" zero.py's (direct on gloo/CPU, see zero.reduce_scatter): "
+        f"{(times['zero.reduce_scatter'] + times['zero.all_gather']) / times['all_reduce']:.2f}")
 
 
 def main(argv=None):

@@ -184,6 +184,19 @@ def run_scenarios(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS)
         out[(stage, "no-overlap")] = dict(seen, full=opt.full_state_dict())
 
+        # gloo's own reduce_scatter_tensor / all_gather_into_tensor instead of zero.py's direct
+        # exchange (zero.DIRECT): the same training, the same bytes counted
+        zero.DIRECT = False
+        try:
+            model, opt = wrapped(rank, stage, "adamw", seed=100)
+            comm = [dict(opt.comm)]
+            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS,
+                      after_step=lambda: comm.append(dict(opt.comm)))
+        finally:
+            zero.DIRECT = True
+        out[(stage, "native")] = {"full": opt.full_state_dict(),
+                                  "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]}
+
         # Every backward reduces (no no_sync() around the first micro-batch): accumulating on top
         # of reduced gradients must still give the reference, at k times the communication.
         model, opt = wrapped(rank, stage, "adamw", seed=100)
@@ -407,6 +420,57 @@ def test_overlap_changes_nothing_but_timing(ranks, stage):
                 assert on["prefetching"] >= 1  # the next unit's all-gather in flight while one computes
 
 
+@pytest.mark.parametrize("stage", range(4))
+def test_native_collectives_train_the_same(ranks, stage):
+    world, results = ranks
+    want = reference("adamw", world)
+    for res in results:
+        native, direct = res[(stage, "native")], res[(stage, "adamw")]
+        for name, t in native["full"].items():
+            assert (t - want[name]).abs().max().item() <= 1e-5, name
+        assert native["comm"] == direct["comm"]
+
+
+def collectives(rank, world):
+    """zero.reduce_scatter / zero.all_gather (the direct exchange on gloo) against gloo's own calls."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for S in (1, 5, 1000):
+            g = torch.Generator().manual_seed(rank * 100 + S)
+            x = torch.randn(world * S, generator=g).to(dtype)
+            want = torch.empty(S, dtype=dtype)
+            dist.reduce_scatter_tensor(want, x.clone())
+            shard = torch.randn(S, generator=g).to(dtype)
+            want_full = torch.empty(world * S, dtype=dtype)
+            dist.all_gather_into_tensor(want_full, shard)
+            for async_op in (False, True):
+                # out separate, and out = this rank's slice of the input (how ZeRO1 calls it)
+                got, y = torch.empty(S, dtype=dtype), x.clone()
+                works = [zero.reduce_scatter(got, x.clone(), async_op=async_op),
+                         zero.reduce_scatter(y[rank * S:(rank + 1) * S], y, async_op=async_op)]
+                full, flat = torch.empty(world * S, dtype=dtype), torch.zeros(world * S, dtype=dtype)
+                flat[rank * S:(rank + 1) * S] = shard
+                works += [zero.all_gather(full, shard, async_op=async_op),
+                          zero.all_gather(flat, flat[rank * S:(rank + 1) * S], async_op=async_op)]
+                assert all(w is None for w in works) != async_op
+                for w in works if async_op else []:
+                    w.wait()
+                out.append({"rs": [got, y[rank * S:(rank + 1) * S]], "rs_want": want,
+                            "ag": [full, flat], "ag_want": want_full, "dtype": dtype})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_direct_exchange_equals_the_native_collectives(world):
+    for rank_out in spawn(world, "collectives"):
+        for case in rank_out:
+            tol = 1e-5 if case["dtype"] == torch.float32 else 2e-2
+            for got in case["rs"]:
+                assert torch.allclose(got.float(), case["rs_want"].float(), atol=tol, rtol=tol)
+            for got in case["ag"]:
+                assert torch.equal(got, case["ag_want"])  # data movement only: exact
+
+
 # ----------------------------------------------------------------------------------------------
 # Mixed precision: bf16 compute, fp32 masters, the paper's memory rows
 
@@ -575,7 +639,11 @@ def test_dispatcher_count_agrees_with_zero_own_count(fsdp_ranks, stage):
     # what zero.py counted itself, or the side-by-side numbers are not measured the same way.
     world, results = fsdp_ranks
     ours = results[0][stage]["ours"]
-    assert ours["comm_seen"] == ours["comm"] and sum(ours["comm"].values()) > 0
+    # On gloo with CPU tensors zero.py's reduce_scatter and all_gather run as all_to_all and
+    # broadcasts (zero.DIRECT): the dispatcher sees those calls, with the same bytes.
+    assert zero.DIRECT
+    calls = {zero.DIRECT_CALLS.get(k, k): v for k, v in ours["comm"].items()}
+    assert ours["comm_seen"] == calls and sum(ours["comm"].values()) > 0
 
 
 def test_pytorch_memory_and_communication(fsdp_ranks):
@@ -633,7 +701,7 @@ def train_rows(model, opt, rank, world, steps, start):
 
 def reshard_write(rank, world):
     # N = 4, stage 3, the optimizer handed pieces of 7 elements: 2 steps, checkpoint, 2 more steps.
-    zero.PIECE = 7
+    zero.PIECE = {"cpu": 7, "cuda": 7}
     model, opt = wrapped(rank, 3, "adamw", seed=100)
     train_rows(model, opt, rank, world, 2, 0)
     zero.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2, extra={"note": "from N=4"})
@@ -651,7 +719,7 @@ def reshard_read(rank, world):
     # Load the N = 4 stage-3 checkpoint at this world size into every stage (pieces of 5), write it
     # again at once, then train on. Then the checkpoints that must be refused.
     tmp, out = os.environ["ZERO_TEST_TMP"], {}
-    zero.PIECE = 5
+    zero.PIECE = {"cpu": 5, "cuda": 5}
     source = os.path.join(tmp, "a" if world == 2 else "b1", "step_00000002")
     for stage in range(4):
         model, opt, manifest = _load_fresh(rank, stage, source)

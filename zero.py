@@ -211,7 +211,11 @@ def default_units(module):
     return units
 
 
-PIECE = 1 << 22  # elements: the largest tensor the optimizer is handed (see DataParallel.__init__)
+# Elements: the largest tensor the optimizer is handed (see DataParallel.__init__). On CPU, 1 MB
+# (fp32) pieces keep what Adam passes over ~10 times per piece (weights, gradient, m, v, two
+# temporaries) inside the caches; on a GPU the optimizer's kernels stream, and few large pieces
+# mean fewer launches.
+PIECE = {"cpu": 1 << 18, "cuda": 1 << 22}
 
 
 def _numel(shape):
@@ -239,6 +243,69 @@ def _nbytes(tensors):
     is not counted twice and a freed buffer (storage resized to 0) counts 0."""
     storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
     return sum(n for ptr, n in storages.items() if ptr)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two collectives ZeRO is made of
+
+# Every stage below is built from reduce-scatter and all-gather (an all-reduce is one then the
+# other). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, in N-1 steps, with no
+# extra memory. gloo's reduce_scatter_tensor and all_gather_into_tensor are slow on CPU (measured
+# on 4 ranks, 50 MB: 104 and 75 ms, against 68 ms for its whole all-reduce; fsdp_demo.py --bench
+# prints it), so on gloo with CPU tensors these two functions do the same with a direct exchange
+# that sends the same (N-1)/N per rank in one step:
+#   reduce-scatter = all_to_all (slice j of every rank goes to rank j) + a local sum of N slices,
+#   all-gather     = N broadcasts (rank j sends its shard to everyone).
+# Measured, same 50 MB: 36 and 24 ms. Trade-off: the all-to-all needs a receive buffer as large as
+# the input, held while it is in flight (counted as gradient memory). DIRECT = False (or another
+# backend, or CUDA tensors, where these paths were not measured) uses the native calls.
+DIRECT = True
+DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # what each becomes
+
+
+class _Pending:
+    """What an async reduce_scatter/all_gather returns: a handle like torch's Work, waiting for all
+    the calls it is made of and then finishing on this rank (the local sum)."""
+
+    def __init__(self, works, finish=None, buffers=()):
+        self.works, self.finish, self.buffers = works, finish, buffers
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        if self.finish is not None:
+            self.finish()
+        self.works, self.finish, self.buffers = [], None, ()
+
+
+def _direct(x):
+    return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
+
+
+def reduce_scatter(out, x, async_op=False):
+    """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
+    Only out is defined afterwards: the rest of x may have changed."""
+    if not _direct(x):
+        return dist.reduce_scatter_tensor(out, x, async_op=async_op)
+    received = torch.empty_like(x)  # row j: rank j's slice for this rank
+    work = dist.all_to_all_single(received, x, async_op=True)
+    pending = _Pending([work], lambda: torch.sum(received.view(-1, out.numel()), 0, out=out), [received])
+    return pending if async_op else pending.wait()
+
+
+def all_gather(out, shard, async_op=False):
+    """out [N*S] = every rank's shard [S], in rank order. shard may be this rank's slice of out."""
+    if not _direct(out):
+        return dist.all_gather_into_tensor(out, shard, async_op=async_op)
+    S, rank = shard.numel(), dist.get_rank()
+    if shard.data_ptr() != out[rank * S:].data_ptr():
+        out[rank * S:(rank + 1) * S].copy_(shard)
+    works = [dist.broadcast(out[j * S:(j + 1) * S], src=j, async_op=True) for j in range(dist.get_world_size())]
+    pending = _Pending(works)
+    return pending if async_op else pending.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,13 +376,15 @@ class DataParallel:
         # The optimizer gets each flat tensor cut into pieces of at most PIECE elements (views, no
         # copy). Exact all the same, and it bounds the temporaries torch's optimizers allocate per
         # tensor (Adam's sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter
-        # shard is 200 MB of transient memory, and on CPU each such allocation is fresh pages from
-        # the OS, every step (measured on 4 CPU ranks: a 50M model's optimizer step took 1.3x as long
-        # without it).
+        # shard is 200 MB of transient memory. On CPU the pieces are small enough to stay in cache
+        # while Adam makes its passes over them (measured, 50M model on 4 CPU ranks: the step took
+        # 355 ms with 16 MB pieces, 150 ms with 1 MB pieces; PyTorch's per-parameter AdamW ~250).
+        device = self.units[0].flat.device if self.units else torch.device("cpu")
+        self.piece = PIECE.get(device.type, PIECE["cuda"])
         for u in self.units:
-            u.pieces = u.master.split(PIECE)
+            u.pieces = u.master.split(self.piece)
             if u.master is u.shard:  # mixed precision: step() hands over an fp32 copy of the gradient
-                for piece, g in zip(u.pieces, u.grad_shard.split(PIECE)):
+                for piece, g in zip(u.pieces, u.grad_shard.split(self.piece)):
                     piece.grad = g
         self.optimizer = optimizer([piece for u in self.units for piece in u.pieces])
         self._reduced = False
@@ -447,8 +516,8 @@ class DataParallel:
 
     def _sent(self, kind, full):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M bytes):
-        all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. (gloo's own
-        reduce-scatter is an all-reduce inside, so its wire bytes differ: this is the ring figure.)"""
+        all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. The direct exchange
+        used on gloo (reduce_scatter, all_gather above) sends the same per rank."""
         times = 2 if kind == "all_reduce" else 1
         self.comm[kind] += times * (self.world - 1) * full.numel() * full.element_size() / self.world
 
@@ -482,7 +551,7 @@ class DataParallel:
         self._reduce_grads()
         mixed = [u for u in self.units if u.master is not u.shard]
         for u in mixed:  # [S] fp32 gradient, for the step only
-            for piece, g in zip(u.pieces, u.grad_shard.to(u.master.dtype).split(PIECE)):
+            for piece, g in zip(u.pieces, u.grad_shard.to(u.master.dtype).split(self.piece)):
                 piece.grad = g
         self.optimizer.step()
         for u in mixed:
@@ -498,7 +567,7 @@ class DataParallel:
     def zero_grad(self):
         for u in self.units:
             u.grad_shard.zero_()
-            if u.grad is not None:
+            if u.grad is not None and u.grad is not u.grad_shard:  # stage 0: one tensor
                 u.grad.zero_()
             u.dirty = False
         self._reduced = False
@@ -514,7 +583,7 @@ class DataParallel:
     def _params_and_grads(self):
         return {"params": _nbytes([u.flat for u in self.units] + [u.shard for u in self.units]),
                 "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]
-                                 + [mine for _, _, mine in self._in_flight])}
+                                 + [t for w, _, mine in self._in_flight for t in (mine, *getattr(w, "buffers", ()))])}
 
     def _track_peak(self, during_step=False):
         # During forward and backward only parameters (stage 3's gathers) and gradients (stage 2's
@@ -617,7 +686,7 @@ class DataParallel:
                 u.master.copy_(values.pop("master"))
                 u.shard.copy_(u.master)  # the same tensor, unless mixed precision
                 if values or scalars:  # the optimizer has state (it has stepped at least once)
-                    for piece, *chunks in zip(u.pieces, *(t.split(PIECE) for t in values.values())):
+                    for piece, *chunks in zip(u.pieces, *(t.split(self.piece) for t in values.values())):
                         state[piece] = {**dict(zip(values, chunks)),
                                         **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
             for n, t in self._replicated():
@@ -681,7 +750,7 @@ class ZeRO1(DataParallel):
         # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
         g = self._for_reduce(unit.grad)
         mine = g[unit.mine]
-        work = dist.reduce_scatter_tensor(mine, g, async_op=self.overlap)
+        work = reduce_scatter(mine, g, async_op=self.overlap)
         self._sent("reduce_scatter", g)
         unit.dirty = False
         self._in_flight.append((work, unit, mine))
@@ -713,12 +782,12 @@ class ZeRO1(DataParallel):
         for unit in self.units:
             # In place: each rank contributes its freshly stepped shard, which is already a slice
             # of flat, and receives everyone else's.
-            dist.all_gather_into_tensor(unit.flat, unit.shard)
+            all_gather(unit.flat, unit.shard)
             self._sent("all_gather", unit.flat)
 
     def _full_master(self, unit):
         full = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
-        dist.all_gather_into_tensor(full, unit.master)  # [N*S] <- every rank's [S]
+        all_gather(full, unit.master)  # [N*S] <- every rank's [S]
         self._sent("all_gather", full)
         return full.float()
 
@@ -806,7 +875,7 @@ class ZeRO3(ZeRO2):
     def _gather(self, unit, prefetch=False):
         if unit.flat.untyped_storage().nbytes() == 0:
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            unit.work = dist.all_gather_into_tensor(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
+            unit.work = all_gather(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
             self._sent("all_gather", unit.flat)
             self._track_peak(during_step=True)
         if unit.work is not None and not prefetch:  # needed now: wait for the prefetch to land
@@ -1328,6 +1397,9 @@ def report(res, args):
     log0(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} {sum(expected.values()):>14,.0f}")
     if stage == 3:
         log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather fewer)")
+    if stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
+        log0("  (gloo on CPU: each reduce_scatter runs as an all_to_all + local sum, each all_gather as N"
+             " broadcasts;\n   the same bytes per rank, in less time: see reduce_scatter() in zero.py)")
     if args.clip > 0 and comm.get("all_reduce") and stage >= 1:
         log0("  (all_reduce: the sum of squares for clipping by the global gradient norm)")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over {len(res['times'])} steps")
