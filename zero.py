@@ -466,9 +466,13 @@ class DataParallel:
         # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
         # Stages 0 and 1 keep that buffer, and leave p.grad as a view into it, as DDP's
         # gradient_as_bucket_view: the next backward's autograd adds into it in place, no copy.
+        # Autograd hands over a new tensor instead when p.grad was None (after zero_grad: the
+        # buffer still holds last step's values) or when it accumulated out of place
+        # (create_graph=True: p.grad + new). Either way it is p's whole gradient so far: copy it
+        # (its values: a graph through the gradient does not survive the collectives).
         view = unit.grad_view(p)
-        if p.grad.data_ptr() != view.data_ptr():  # a new tensor from autograd (the first backward)
-            view.add_(p.grad)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad.detach())
         p.grad = view if self._grad_views else None
         unit.dirty, unit.ready = True, unit.ready + 1
         if unit.ready == len(unit.params) and self._reduce_in_backward():  # backward is done with it
@@ -489,7 +493,17 @@ class DataParallel:
             unit.ready = 0
         self._land_reduced()  # the end of backward is where overlap waits
 
+    def _zero_missing(self, unit):
+        # Stages 0 and 1: a parameter that got no gradient since zero_grad() (unused in forward)
+        # still has last step's values in the buffer. Zero them: the flat buffer is reduced and
+        # stepped whole, so an unused parameter gets a zero gradient (not None, as in plain torch).
+        if self._grad_views:
+            for p in unit.params:
+                if p.grad is None:
+                    unit.grad_view(p).zero_()
+
     def _reduce_unit(self, unit):
+        self._zero_missing(unit)
         g = self._for_reduce(unit.grad)
         work = dist.all_reduce(g, async_op=self.overlap)  # [N*S] sum over ranks
         self._sent("all_reduce", g)
@@ -529,6 +543,8 @@ class DataParallel:
         for unit in self.units:
             if unit.dirty:
                 self._reduce_unit(unit)
+            else:
+                self._zero_missing(unit)  # no gradient at all this step, on any rank
         self._land_reduced()
         self._reduced = True
 
@@ -566,9 +582,13 @@ class DataParallel:
 
     def zero_grad(self):
         for u in self.units:
-            u.grad_shard.zero_()
-            if u.grad is not None and u.grad is not u.grad_shard:  # stage 0: one tensor
-                u.grad.zero_()
+            if self._grad_views:
+                # Stages 0 and 1, as DDP: no pass over the buffer. The next backward's gradients
+                # overwrite it (_on_grad copies), what none overwrites is zeroed (_zero_missing).
+                for p in u.params:
+                    p.grad = None
+            else:
+                u.grad_shard.zero_()
             u.dirty = False
         self._reduced = False
 
@@ -748,6 +768,7 @@ class ZeRO1(DataParallel):
     def _reduce_unit(self, unit):
         # In place: input is the full [N*S] gradient, output is this rank's [S] slice of it.
         # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
+        self._zero_missing(unit)
         g = self._for_reduce(unit.grad)
         mine = g[unit.mine]
         work = reduce_scatter(mine, g, async_op=self.overlap)
