@@ -211,11 +211,11 @@ def default_units(module):
     return units
 
 
-# Elements: the largest tensor the optimizer is handed (see DataParallel.__init__). On CPU, 1 MB
-# (fp32) pieces keep what Adam passes over ~10 times per piece (weights, gradient, m, v, two
-# temporaries) inside the caches; on a GPU the optimizer's kernels stream, and few large pieces
+# Elements: the largest tensor the optimizer is handed (see DataParallel.__init__). On CPU, 4 MB
+# (fp32) pieces keep most of what Adam passes over again and again (weights, gradient, m, v, two
+# temporaries) in the caches; on a GPU the optimizer's kernels stream, and few large pieces
 # mean fewer launches.
-PIECE = {"cpu": 1 << 18, "cuda": 1 << 22}
+PIECE = {"cpu": 1 << 20, "cuda": 1 << 22}
 
 
 def _numel(shape):
@@ -377,8 +377,9 @@ class DataParallel:
         # copy). Exact all the same, and it bounds the temporaries torch's optimizers allocate per
         # tensor (Adam's sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter
         # shard is 200 MB of transient memory. On CPU the pieces are small enough to stay in cache
-        # while Adam makes its passes over them (measured, 50M model on 4 CPU ranks: the step took
-        # 355 ms with 16 MB pieces, 150 ms with 1 MB pieces; PyTorch's per-parameter AdamW ~250).
+        # while Adam makes its passes over them (measured, 50M model, stage 0 on 4 CPU ranks: the
+        # step took 315-360 ms with 16 MB pieces, 130-205 ms with 4 MB ones; 1 MB pieces were no
+        # faster, and each piece costs Adam a step counter of its own).
         device = self.units[0].flat.device if self.units else torch.device("cpu")
         self.piece = PIECE.get(device.type, PIECE["cuda"])
         for u in self.units:
@@ -771,10 +772,11 @@ class ZeRO1(DataParallel):
         self._zero_missing(unit)
         g = self._for_reduce(unit.grad)
         mine = g[unit.mine]
-        work = reduce_scatter(mine, g, async_op=self.overlap)
+        work = reduce_scatter(mine, g, async_op=True)  # waited for at once below without overlap
         self._sent("reduce_scatter", g)
         unit.dirty = False
         self._in_flight.append((work, unit, mine))
+        self._track_peak(during_step=True)  # with the all-to-all's receive buffer, if any
         self._land_reduced(wait=not self.overlap)
 
     def _land(self, unit, mine):
