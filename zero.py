@@ -38,11 +38,12 @@ What it costs, per rank per optimizer step, counted as elements sent by a ring a
 So stages 1 and 2 are free in communication: an all-reduce *is* a reduce-scatter followed by an
 all-gather, and ZeRO just puts the optimizer step in between. (Free in bytes; in time only where
 the backend's reduce-scatter and all-gather are as fast as its all-reduce, as NCCL's rings are.
-gloo's are not: fsdp_demo.py --bench measures it.) Stage 3 pays 50% more, and latency: every
-unit waits for its all-gather before it can compute.
+gloo's own are not, so on gloo zero.py does them its own way: see reduce_scatter() below, and
+fsdp_demo.py --bench, which times both.) Stage 3 pays 50% more, and latency: every unit waits
+for its all-gather before it can compute.
 
 How to read this file. The sections below run in the order the code does: set-up, the sharded
-layout (a Unit), then one class per stage, each a small diff on the one before it (stop reading
+layout (a Unit), the two collectives, then one class per stage, each a small diff on the one before it (stop reading
 after ZeRO1 and you know ZeRO-1), then the checkpoint files, the demo model and data, then the
 measurements and the command line. The classes share one interface, the one the tests and users call:
 
@@ -59,7 +60,8 @@ mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions 
 master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: each
 unit's reduction launched asynchronously during backward, in DataParallel._reduce_unit and
 _land_reduced; stage 3's prefetch in ZeRO3._prefetch), buckets (bucket_bytes, --bucket-mb:
-stages 0-2 merge small units, in DataParallel._buckets).
+stages 0-2 merge small units, in DataParallel._buckets), and on gloo with CPU tensors a faster
+reduce-scatter and all-gather than gloo's own (DIRECT, in reduce_scatter and all_gather).
 
 Checkpoints (DataParallel.state_dict, then the section "Checkpoint files") are written by every
 rank in parallel, in model coordinates (parameter names, element ranges), so a checkpoint of N
@@ -1407,7 +1409,8 @@ def report(res, args):
     total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/N", f"{pb}Ψ + {gb + ob}Ψ/N", f"{pb + gb + ob}Ψ/N"][stage]
     log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} {sum(formula.values()):>12,.0f}")
     log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient full-unit\n"
-         "   gradients of stage 2 and the gathered units of stage 3)")
+         "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and the\n"
+         "   gathered units of stage 3)")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} bytes,"
          f" reductions in 4;"
          f" N = {world}, k = {k} micro-batches)")
