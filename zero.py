@@ -258,9 +258,10 @@ def _nbytes(tensors):
 # that sends the same (N-1)/N per rank in one step:
 #   reduce-scatter = all_to_all (slice j of every rank goes to rank j) + a local sum of N slices,
 #   all-gather     = N broadcasts (rank j sends its shard to everyone).
-# Measured, same 50 MB: 36 and 24 ms. Trade-off: the all-to-all needs a receive buffer as large as
-# the input, held while it is in flight (counted as gradient memory). DIRECT = False (or another
-# backend, or CUDA tensors, where these paths were not measured) uses the native calls.
+# Measured, same 50 MB: 72 and 24 ms (half of the 72 is page faults on the fresh receive buffer).
+# Trade-off: the all-to-all needs a receive buffer as large as the input, held while it is in
+# flight (counted as gradient memory). DIRECT = False, another backend, or CUDA tensors (where
+# these paths were not measured) use the native calls.
 DIRECT = True
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # what each becomes
 
