@@ -43,9 +43,10 @@ fsdp_demo.py --bench, which times both.) Stage 3 pays 50% more, and latency: eve
 for its all-gather before it can compute.
 
 How to read this file. The sections below run in the order the code does: set-up, the sharded
-layout (a Unit), the two collectives, then one class per stage, each a small diff on the one before it (stop reading
-after ZeRO1 and you know ZeRO-1), then the checkpoint files, the demo model and data, then the
-measurements and the command line. The classes share one interface, the one the tests and users call:
+layout (a Unit), the two collectives, then one class per stage, each a small diff on the one
+before it (stop reading after ZeRO1 and you know ZeRO-1), then the checkpoint files, the demo
+model and data, then the measurements and the command line. The classes share one interface,
+the one the tests and users call:
 
     optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     with optimizer.no_sync():           # optional: micro-batches that only accumulate (DDP's idiom)
