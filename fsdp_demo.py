@@ -83,7 +83,7 @@ class CommCounter(TorchDispatchMode):
 
     KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),  # (name, kind, ring cost x)
              ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1),
-             ("alltoall", "all_to_all", 1)]
+             ("reduce", "reduce", 1), ("alltoall", "all_to_all", 1)]
 
     def __init__(self, world, comm):
         super().__init__()
@@ -96,11 +96,12 @@ class CommCounter(TorchDispatchMode):
         functional = func.namespace == "_c10d_functional"
         name = func.overloadpacket.__name__.replace("_", "")
         for key, kind, times in self.KINDS if func.namespace == "c10d" or functional else []:
-            if key in name:
+            if name.startswith(key):  # "reducescatter" is matched before "reduce"
                 arg = 1 if key == "reducescatter" and not functional else 0
                 full = sum(t.numel() * t.element_size() for t in _flat(args[arg]))
                 full *= self.world if key == "allgather" and functional else 1
                 self.comm[kind] += times * (self.world - 1) * full / self.world
+                break
         return func(*args, **(kwargs or {}))
 
 

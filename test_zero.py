@@ -8,6 +8,7 @@ Run: python -m pytest -q
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -184,17 +185,20 @@ def run_scenarios(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS)
         out[(stage, "no-overlap")] = dict(seen, full=opt.full_state_dict())
 
-        # gloo's own reduce_scatter_tensor / all_gather_into_tensor instead of zero.py's direct
-        # exchange (zero.DIRECT): the same training, the same bytes counted
-        zero.DIRECT = False
-        try:
-            model, opt = wrapped(rank, stage, "adamw", seed=100)
-            comm = [dict(opt.comm)]
-            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS,
-                      after_step=lambda: comm.append(dict(opt.comm)))
-        finally:
-            zero.DIRECT = True
-        out[(stage, "native")] = {"full": opt.full_state_dict(),
+        # gloo's own reduce_scatter_tensor / all_gather_into_tensor (zero.DIRECT = False), and
+        # zero.py's reduce-scatter as N reduces (A2A_BYTES = 0) instead of an all-to-all: the same
+        # training, the same bytes counted
+        for name, setting in [("native", ("DIRECT", False)), ("reduces", ("A2A_BYTES", 0))]:
+            saved = getattr(zero, setting[0])
+            setattr(zero, *setting)
+            try:
+                model, opt = wrapped(rank, stage, "adamw", seed=100)
+                comm = [dict(opt.comm)]
+                run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS,
+                          after_step=lambda: comm.append(dict(opt.comm)))
+            finally:
+                setattr(zero, setting[0], saved)
+            out[(stage, name)] = {"full": opt.full_state_dict(),
                                   "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]}
 
         # Every backward reduces (no no_sync() around the first micro-batch): accumulating on top
@@ -420,15 +424,16 @@ def test_overlap_changes_nothing_but_timing(ranks, stage):
                 assert on["prefetching"] >= 1  # the next unit's all-gather in flight while one computes
 
 
+@pytest.mark.parametrize("way", ["native", "reduces"])
 @pytest.mark.parametrize("stage", range(4))
-def test_native_collectives_train_the_same(ranks, stage):
+def test_each_way_of_reducing_trains_the_same(ranks, stage, way):
     world, results = ranks
     want = reference("adamw", world)
     for res in results:
-        native, direct = res[(stage, "native")], res[(stage, "adamw")]
-        for name, t in native["full"].items():
+        other, direct = res[(stage, way)], res[(stage, "adamw")]
+        for name, t in other["full"].items():
             assert (t - want[name]).abs().max().item() <= 1e-5, name
-        assert native["comm"] == direct["comm"]
+        assert other["comm"] == direct["comm"]
 
 
 class Pair(nn.Module):
@@ -502,9 +507,11 @@ def test_unused_parameters_and_out_of_place_accumulation():
 
 
 def collectives(rank, world):
-    """zero.reduce_scatter / zero.all_gather (the direct exchange on gloo) against gloo's own calls."""
+    """zero.reduce_scatter / zero.all_gather (their own way on gloo) against gloo's own calls; the
+    reduce-scatter both as an all-to-all and (A2A_BYTES = 0) as N reduces."""
     out = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, a2a_bytes in itertools.product((torch.float32, torch.bfloat16), (zero.A2A_BYTES, 0)):
+        zero.A2A_BYTES = a2a_bytes
         for S in (1, 5, 1000):
             g = torch.Generator().manual_seed(rank * 100 + S)
             x = torch.randn(world * S, generator=g).to(dtype)

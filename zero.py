@@ -254,22 +254,26 @@ def _nbytes(tensors):
 # Every stage below is built from reduce-scatter and all-gather (an all-reduce is one then the
 # other). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, in N-1 steps, with no
 # extra memory. gloo's reduce_scatter_tensor and all_gather_into_tensor are slow on CPU (measured
-# on 4 ranks, 50 MB: 104 and 75 ms, against 68 ms for its whole all-reduce; fsdp_demo.py --bench
-# prints it), so on gloo with CPU tensors these two functions do the same with a direct exchange
-# that sends the same (N-1)/N per rank in one step:
-#   reduce-scatter = all_to_all (slice j of every rank goes to rank j) + a local sum of N slices,
-#   all-gather     = N broadcasts (rank j sends its shard to everyone).
-# Measured, same 50 MB: 72 and 24 ms (half of the 72 is page faults on the fresh receive buffer).
-# Trade-off: the all-to-all needs a receive buffer as large as the input, held while it is in
-# flight (counted as gradient memory). DIRECT = False, another backend, or CUDA tensors (where
-# these paths were not measured) use the native calls.
+# on 4 ranks, 50 MB: 114 and 75 ms, against 65 ms for its whole all-reduce; fsdp_demo.py --bench
+# prints it), so on gloo with CPU tensors these two functions do the same another way, sending
+# the same (N-1)/N per rank:
+#   reduce-scatter = one all_to_all (slice j of every rank goes to rank j) + a local sum of the N
+#                    slices received; above A2A_BYTES, N reduces in place (rank j the root of
+#                    slice j), which need no receive buffer and are faster there,
+#   all-gather     = N broadcasts, in place (rank j sends its shard to everyone).
+# Measured, 4 ranks: reduce-scatter of 1 MB 1.5 ms (gloo's own 3.9), of 50 MB 59 ms (114); all-gather
+# of 50 MB 24 ms (75). N reduces cost ~8 ms even when tiny, hence the all-to-all below A2A_BYTES.
+# Trade-off: the all-to-all's receive buffer (up to A2A_BYTES, counted as gradient memory while
+# it is in flight). DIRECT = False, another backend, or CUDA tensors (where these paths were not
+# measured) use the native calls.
 DIRECT = True
-DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # what each becomes
+A2A_BYTES = 16 << 20
+DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
 
 
 class _Pending:
     """What an async reduce_scatter/all_gather returns: a handle like torch's Work, waiting for all
-    the calls it is made of and then finishing on this rank (the local sum)."""
+    the calls it is made of and then finishing on this rank (the local sum, or a copy)."""
 
     def __init__(self, works, finish=None, buffers=()):
         self.works, self.finish, self.buffers = works, finish, buffers
@@ -294,9 +298,15 @@ def reduce_scatter(out, x, async_op=False):
     Only out is defined afterwards: the rest of x may have changed."""
     if not _direct(x):
         return dist.reduce_scatter_tensor(out, x, async_op=async_op)
-    received = torch.empty_like(x)  # row j: rank j's slice for this rank
-    work = dist.all_to_all_single(received, x, async_op=True)
-    pending = _Pending([work], lambda: torch.sum(received.view(-1, out.numel()), 0, out=out), [received])
+    S, rank, world = out.numel(), dist.get_rank(), dist.get_world_size()
+    if x.numel() * x.element_size() <= A2A_BYTES:
+        received = torch.empty_like(x)  # row j: rank j's slice for this rank
+        work = dist.all_to_all_single(received, x, async_op=True)
+        pending = _Pending([work], lambda: torch.sum(received.view(world, S), 0, out=out), [received])
+    else:
+        works = [dist.reduce(x[j * S:(j + 1) * S], dst=j, async_op=True) for j in range(world)]
+        mine = x[rank * S:(rank + 1) * S]  # the sum lands here
+        pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else lambda: out.copy_(mine))
     return pending if async_op else pending.wait()
 
 
@@ -535,8 +545,8 @@ class DataParallel:
 
     def _sent(self, kind, full):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M bytes):
-        all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. The direct exchange
-        used on gloo (reduce_scatter, all_gather above) sends the same per rank."""
+        all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. What replaces them
+        on gloo (all_to_all or N reduces, N broadcasts: see reduce_scatter) sends the same."""
         times = 2 if kind == "all_reduce" else 1
         self.comm[kind] += times * (self.world - 1) * full.numel() * full.element_size() / self.world
 
@@ -1426,8 +1436,8 @@ def report(res, args):
     if stage == 3:
         log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather fewer)")
     if stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
-        log0("  (gloo on CPU: each reduce_scatter runs as an all_to_all + local sum, each all_gather as N"
-             " broadcasts;\n   the same bytes per rank, in less time: see reduce_scatter() in zero.py)")
+        log0(f"  (gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above {A2A_BYTES >> 20} MB),"
+             "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see reduce_scatter() in zero.py)")
     if args.clip > 0 and comm.get("all_reduce") and stage >= 1:
         log0("  (all_reduce: the sum of squares for clipping by the global gradient norm)")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over {len(res['times'])} steps")
