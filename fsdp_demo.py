@@ -291,7 +291,7 @@ def bench(args):
     log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 gradients), median ms: " +
         ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
         f"; reduce_scatter + all_gather / all_reduce = {(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f},"
-        f" zero.py's (direct on gloo/CPU, see zero.reduce_scatter): "
+        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): "
         f"{(times['zero.reduce_scatter'] + times['zero.all_gather']) / times['all_reduce']:.2f}")
 
 
