@@ -61,7 +61,7 @@ mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions 
 master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: each
 unit's reduction launched asynchronously during backward, in DataParallel._reduce_unit and
 _land_reduced; stage 3's prefetch in ZeRO3._prefetch), buckets (bucket_bytes, --bucket-mb:
-stages 0-2 merge small units, in DataParallel._buckets), and on gloo with CPU tensors a faster
+stages 0-2 cut the parameters into buckets of that size, in DataParallel._buckets), and on gloo with CPU tensors a faster
 reduce-scatter and all-gather than gloo's own (DIRECT, in reduce_scatter and all_gather).
 
 Checkpoints (DataParallel.state_dict, then the section "Checkpoint files") are written by every
@@ -188,6 +188,8 @@ class Unit:
         self.grad_shard = None             # [S] the owned 1/N of the averaged gradient
         self.ready = 0                     # parameters whose gradient arrived in this backward
         self.dirty = False                 # holds local gradients not reduced yet
+        self.fresh = True                  # holds no gradient since zero_grad(): p.grad is None
+        self.scaled = False                # this backward's gradients were divided by N as copied in
         self.users = 0                     # stage 3: modules computing with the gathered unit now
         self.work = None                   # stage 3: an all-gather in flight (a prefetch)
 
@@ -340,12 +342,14 @@ class DataParallel:
     _grad_views = True   # p.grad stays a view into the unit's gradient buffer (see _on_grad)
     _end_queued = False  # is _end_of_backward already queued for the backward now running?
     _sync = True         # False inside no_sync(): backward only adds up local gradients
+    _max_in_flight = 1 << 30  # reductions launched in backward that may be in flight at once
+    _prescale = True     # gradients are divided by N as they are copied in (see _on_grad)
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
                  bucket_bytes=0):
         self.model = model
         self.overlap = overlap  # communicate while autograd computes (reductions, stage 3's gathers)
-        self.bucket_bytes = bucket_bytes  # stages 0-2: merge units into buckets this big (see _buckets)
+        self.bucket_bytes = bucket_bytes  # stages 0-2: buckets this big instead of units (see _buckets)
         self._in_flight = []    # reductions launched during backward, their results not yet used
         # Mixed precision (the paper's accounting): compute, gradients and all-gathers in
         # param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over N ranks in
@@ -423,17 +427,28 @@ class DataParallel:
 
     def _buckets(self, groups):
         # Bucketing: a collective has a fixed cost (latency, a launch, a sync with the slowest rank)
-        # on top of its bytes, so many small units are slow to reduce one by one. Consecutive units
-        # are merged until each bucket holds at least bucket_bytes: fewer, larger messages, as DDP's
-        # 25 MB buckets. The price: a bucket is reduced only when its last gradient has arrived,
-        # and stage 2 holds a whole bucket's full gradient while it is reduced.
-        merged = []
-        for mods, params in groups:
-            if merged and _nbytes_of(merged[-1][1]) < self.bucket_bytes:
-                merged[-1] = (merged[-1][0] + mods, merged[-1][1] + params)
-            else:
-                merged.append((mods, params))
-        return merged
+        # on top of its bytes, so many small units are slow to reduce one by one, and one huge unit
+        # is reduced only once backward is done with all of it. With bucket_bytes, stages 0-2 cut
+        # the parameters into buckets of their own, as DDP's 25 MB buckets: walking them in
+        # reverse (the order backward produces gradients in, roughly), a bucket is closed as soon
+        # as it holds bucket_bytes. Small units are merged, large ones split at parameter
+        # boundaries, and what is left over is the bucket of the model's first parameters, the
+        # last one backward completes: the reduction nothing overlaps is the smallest.
+        # The price: a bucket is reduced only when its last gradient has arrived, and stage 2
+        # holds a whole bucket's full gradient while it is reduced.
+        if not self.bucket_bytes:
+            return groups
+        params = [p for _, ps in groups for p in ps]
+        buckets, open_, held = [], [], 0
+        for p in reversed(params):
+            open_.append(p)
+            held += p.numel() * p.element_size()
+            if held >= self.bucket_bytes:
+                buckets.append(open_[::-1])
+                open_, held = [], 0
+        if open_:
+            buckets.append(open_[::-1])
+        return [([], b) for b in reversed(buckets)]  # in model order, as units are
 
     def _check_ranks_agree(self):
         # Fail fast. Ranks that built another model or chose another stage would hang in the next
@@ -486,8 +501,20 @@ class DataParallel:
         # (create_graph=True: p.grad + new). Either way it is p's whole gradient so far: copy it
         # (its values: a graph through the gradient does not survive the collectives).
         view = unit.grad_view(p)
+        if unit.ready == 0:  # the unit's first gradient in this backward
+            # As DDP: if the buffer holds nothing yet (zero_grad() ran) and is all-reduced in this
+            # backward, divide by N while copying in. The all-reduce then sums means, and the
+            # separate pass of / N after it, a whole pass over the gradient, is saved. (Sum of
+            # x/N or sum / N: the same bits when N is a power of two, else within rounding.)
+            # Stage 1 divides only its shard, after the reduce-scatter: 1/N of that pass.
+            unit.scaled = unit.fresh and self._prescale and self._reduce_in_backward() and \
+                self.reduce_dtype in (None, unit.grad.dtype)
+            unit.fresh = False
         if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad.detach())
+            if unit.scaled:
+                torch.mul(p.grad.detach(), 1 / self.world, out=view)
+            else:
+                view.copy_(p.grad.detach())
         p.grad = view if self._grad_views else None
         unit.dirty, unit.ready = True, unit.ready + 1
         if unit.ready == len(unit.params) and self._reduce_in_backward():  # backward is done with it
@@ -528,10 +555,13 @@ class DataParallel:
 
     def _land_reduced(self, wait=True):
         # Overlap: with async_op=True the collective runs on the backend's own thread while
-        # autograd goes on computing the next unit's gradients. As FSDP2 does we keep one in
-        # flight (stage 2 holds a full-unit buffer for each): launching the next waits for the
-        # last. They land oldest first, the same order as without overlap, so the sums are the same.
-        while self._in_flight and (wait or len(self._in_flight) > 1 or self._in_flight[0][0].is_completed()):
+        # autograd goes on computing the next unit's gradients. Stage 0's all-reduces work in
+        # place, with no memory of their own, so as DDP it leaves them all in flight. From stage 1
+        # on, as FSDP2, one at a time (stage 2 holds a full-unit buffer for each, gloo's all-to-all
+        # a receive buffer): launching the next waits for the last. They land oldest first, the
+        # same order as without overlap, so the sums are the same.
+        while self._in_flight and (wait or len(self._in_flight) > self._max_in_flight
+                                   or self._in_flight[0][0].is_completed()):
             work, unit, reduced = self._in_flight.pop(0)
             if work is not None:
                 work.wait()
@@ -541,7 +571,7 @@ class DataParallel:
         # / N: the global-batch mean, on every rank. A later backward (accumulation without
         # no_sync) adds local gradients to it, and reducing again is still right: every rank adds
         # the same mean, so (N·mean + sum of new) / N = mean + the new mean. (DDP does the same.)
-        unit.grad.copy_(g.div_(self.world))
+        unit.grad.copy_(g if unit.scaled else g.div_(self.world))
 
     def _sent(self, kind, full):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M bytes):
@@ -602,6 +632,7 @@ class DataParallel:
                 # overwrite it (_on_grad copies), what none overwrites is zeroed (_zero_missing).
                 for p in u.params:
                     p.grad = None
+                u.fresh = True
             else:
                 u.grad_shard.zero_()
             u.dirty = False
@@ -771,6 +802,8 @@ class ZeRO1(DataParallel):
     owner ranks; here each unit is cut evenly (THEORY.md: round-robin owners balance badly)."""
 
     stage = 1
+    _max_in_flight = 1
+    _prescale = False
 
     def _shard(self, unit):
         super()._shard(unit)                            # full gradient buffer, as in stage 0...
@@ -1020,7 +1053,8 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     units: the modules communicated as one (stage 3 gathers them one by one); default_units(model).
     param_dtype: e.g. torch.bfloat16 for mixed precision; reduce_dtype: of the gradient reductions
     (default float32 in mixed precision). overlap: reduce during backward, prefetch in stage 3.
-    bucket_bytes: stages 0-2 merge consecutive units until each holds this many bytes (0: every
+    bucket_bytes: stages 0-2 cut the parameters into buckets of this many bytes, from the last
+    backwards, merging small units and splitting large ones at parameter boundaries (0: every
     unit is its own bucket); stage 3 gathers unit by unit and ignores it."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
@@ -1483,7 +1517,7 @@ def training_parser(description):
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
     p.add_argument("--no-overlap", action="store_true", help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
-    p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: merge units into buckets of this many MiB "
+    p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: cut the parameters into buckets of this many MiB "
                    "(DDP: 25; default 0, each unit its own bucket)")
     return p
 
