@@ -491,15 +491,19 @@ def sometimes_steps(model, opt, rows, world, create_graph):
             model.zero_grad()
 
 
+SOMETIMES_OPTIMIZERS = {"adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                        "sgd": functools.partial(torch.optim.SGD, lr=0.1)}  # SGD: sees a factor off
+
+
 def sometimes(rank, world):
     out = {}
     for stage in range(4):
         for create_graph in (False, True) if stage < 2 else (False,):
-            model = Sometimes()
-            opt = zero.wrap(model, stage, functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
-                            units=[model.first, model.mid, model.extra, model.last])
-            sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, create_graph)
-            out[(stage, create_graph)] = opt.full_state_dict()
+            for name, optimizer in SOMETIMES_OPTIMIZERS.items():
+                model = Sometimes()
+                opt = zero.wrap(model, stage, optimizer, units=[model.first, model.mid, model.extra, model.last])
+                sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, create_graph)
+                out[(stage, create_graph, name)] = opt.full_state_dict()
     return out
 
 
@@ -508,14 +512,15 @@ def test_unused_parameters_and_out_of_place_accumulation():
     # a gradient that arrives as a new tensor (after zero_grad, or accumulated out of place by
     # create_graph=True) is copied over last step's values, and a parameter that gets none has its
     # values zeroed. Wrong either way, these runs would differ from the reference.
-    world = 2
-    model = Sometimes()
-    sometimes_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), slice(None), world, False)
-    want = {n: p.detach() for n, p in model.named_parameters()}
+    world, want = 2, {}
+    for name, optimizer in SOMETIMES_OPTIMIZERS.items():
+        model = Sometimes()
+        sometimes_steps(model, optimizer(model.parameters()), slice(None), world, False)
+        want[name] = {n: p.detach() for n, p in model.named_parameters()}
     for res in spawn(world, "sometimes"):
-        for (stage, create_graph), got in res.items():
+        for (stage, create_graph, opt_name), got in res.items():
             for name, t in got.items():
-                assert (t - want[name]).abs().max().item() <= 1e-5, (stage, create_graph, name)
+                assert (t - want[opt_name][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
 
 
 def three_ranks(rank, world):
