@@ -123,12 +123,15 @@ def watch(model, opt):
     """The most a rank held at any moment, sampled from inside forward and backward: bytes from
     memory_breakdown(), units gathered, full unit gradients held, reduce-scatters in flight and
     all-gathers prefetched. The hooks hold `opt` weakly (see zero._grad_hook)."""
-    seen, ref = dict.fromkeys(["params", "grads", "gathered", "grads_held", "in_flight", "prefetching"], 0), weakref.ref(opt)
+    seen, ref = dict.fromkeys(["params", "grads", "gathered", "grads_held", "in_flight", "prefetching",
+                               "untracked"], 0), weakref.ref(opt)
 
     def sample(*_):
         opt = ref()
         m = opt.memory_breakdown()
         now = {"params": m["params"], "grads": m["grads"],
+               # bytes the running total that feeds opt.peak (zero.py's _track_peak) misses or adds
+               "untracked": max(abs(opt._now[k] - m[k]) for k in ("params", "grads")),
                "gathered": sum(u.flat.untyped_storage().nbytes() > 0 for u in opt.units),
                "grads_held": sum(u.grad is not None for u in opt.units),
                "in_flight": len(opt._in_flight), "prefetching": sum(u.work is not None for u in opt.units)}
@@ -218,7 +221,7 @@ def run_scenarios(rank, world):
         for name, reduce_dtype in [("bf16", None)] + [("bf16-reduce", torch.bfloat16)] * (stage == 2):
             model, opt = wrapped(rank, stage, "adamw", seed=100, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
             comm = [dict(opt.comm)]
-            rec = {}
+            rec = watch(model, opt)
 
             def after_step():
                 rec["mem"] = opt.memory_breakdown()
@@ -346,6 +349,17 @@ def test_sharded_state_is_never_whole(ranks, stage):
             full = 4 * world * sum(res[(stage, "adamw")]["layout"]["S"])
             assert 0 < off["grads"] < full
             assert 0 < off["params"] < full if stage == 3 else off["params"] == full
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_peak_follows_every_change(ranks, stage):
+    # opt.peak grows from a running total that _track_peak corrects one unit at a time, where
+    # memory changes. Sampled from inside forward and backward, the total equals a full
+    # measurement (memory_breakdown()) every time: no change goes uncounted.
+    world, results = ranks
+    for res in results:
+        for key in [(stage, case) for case in CASES] + [(stage, "no-overlap"), (stage, "bf16")]:
+            assert res[key]["untracked"] == 0, key
 
 
 # ----------------------------------------------------------------------------------------------
