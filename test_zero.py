@@ -8,6 +8,7 @@ Run: python -m pytest -q
 import contextlib
 import functools
 import gc
+import io
 import itertools
 import json
 import math
@@ -744,6 +745,35 @@ def fsdp_scenarios(rank, world):
         theirs, ours = fsdp_demo.compare(args, keep_params=True)
         out[stage] = {"theirs": theirs, "ours": ours}
     return out
+
+
+def small_bench(rank, world):
+    import fsdp_demo
+    fsdp_demo.BENCH_MODELS = [("tiny", dict(d_model=32, n_layer=2, n_head=2, seq_len=16, batch_size=2))]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        fsdp_demo.main(["--bench", "--repeats", "2", "--steps", "3"])
+    return printed.getvalue()
+
+
+def test_bench_prints_every_stage_against_pytorch():
+    # --bench on a tiny model: no timing is asserted, only that every stage is run against its
+    # counterpart and that the bytes in the table are the measured ones the formula predicts.
+    import fsdp_demo
+    out = spawn(2, "small_bench")[0]
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
+    assert [int(r[1]) for r in rows] == [0, 1, 2, 3]
+    for row, name in zip(rows, fsdp_demo.PYTORCH_NAMES):
+        assert " ".join(row[2:-8]) == name
+        ms_torch, ms_zero, ratio = map(float, row[-8:-5])
+        assert ms_torch > 0 and ms_zero > 0  # and the ratio is theirs, within the rounding of the columns
+        assert (ms_zero - 0.05) / (ms_torch + 0.05) - 5e-4 <= ratio <= (ms_zero + 0.05) / (ms_torch - 0.05) + 5e-4
+    state_torch, state_zero, sent_torch, sent_zero, formula = ([int(r[k].replace(",", "")) for r in rows] for k in range(-5, 0))
+    for stage in range(3):  # the formula, plus the squared norm for clipping (stages 1, 2: 2 x 1/2 x 4 bytes)
+        assert sent_zero[stage] - formula[stage] == (0 if stage == 0 else 4)
+    assert sent_zero[3] < formula[3]  # stage 3 gathers its root unit once per step, not twice
+    assert state_zero[3] <= state_torch[3]
+    assert "zero.reduce_scatter" in out.splitlines()[-1]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"N{w}")
