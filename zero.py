@@ -76,6 +76,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -718,16 +719,19 @@ class DataParallel:
         hyper-parameters; rank 0 also the frozen parameters and buffers."""
         units, scalars = [], {}
         for u in self.units:
-            def mine(t):  # [S]: stage 0 steps all N*S elements, and writes 1/N of them
-                return t[u.mine] if self._owned(u) == slice(None) else t
+            def mine(pieces):  # [S], a new tensor: stage 0 steps all N*S elements and writes 1/N of them
+                if self._owned(u) == slice(None):  # only the pieces' parts inside u.mine: no full copy
+                    starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
+                    pieces = [t[max(u.mine.start - a, 0):max(u.mine.stop - a, 0)] for t, a in zip(pieces, starts)]
+                return torch.cat([t.detach() for t in pieces if t.numel()]).float()
             states = [self.optimizer.state.get(piece, {}) for piece in u.pieces]
             per_element = {}
             for key, value in states[0].items():
                 if torch.is_tensor(value) and value.shape == u.pieces[0].shape:
-                    per_element[key] = mine(torch.cat([s[key] for s in states])).float().clone()
+                    per_element[key] = mine([s[key] for s in states])
                 else:
                     scalars[key] = value
-            units.append({"master": mine(u.master.detach().float()).clone(), "state": per_element})
+            units.append({"master": mine(u.pieces), "state": per_element})
         return {"rank": self.rank, "units": units, "scalars": scalars, "optimizer": type(self.optimizer).__name__,
                 "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                 "replicated": {n: t.detach().clone() for n, t in self._replicated()} if self.rank == 0 else {}}
