@@ -880,6 +880,11 @@ class ZeRO1(DataParallel):
             self._sent("all_gather", unit.flat)
 
     def _full_master(self, unit):
+        if unit.master is unit.shard:  # fp32: the flat buffer already holds every rank's stepped shard
+            return unit.flat.float()
+        return self._gather_master(unit)
+
+    def _gather_master(self, unit):
         full = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
         all_gather(full, unit.master)  # [N*S] <- every rank's [S]
         self._sent("all_gather", full)
@@ -1036,6 +1041,9 @@ class ZeRO3(ZeRO2):
         for unit in self.units:  # the root, and units gathered for a backward that gave no grads
             if unit.users == 0:
                 self._free(unit)
+
+    def _full_master(self, unit):
+        return self._gather_master(unit)  # parameters are sharded between steps: gather the masters
 
     def _gather_params(self):
         # Nothing to gather after the step: the next forward gathers each unit when it needs it.
