@@ -538,8 +538,35 @@ def test_unused_parameters_and_out_of_place_accumulation():
                 assert (t - want[opt_name][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
 
 
+class TwoDtypes(nn.Module):
+    """A float64 layer, then a float32 one: buckets must not mix them (one flat buffer, one dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b = nn.Linear(D, D).double(), nn.Linear(D, V)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x.double())).float())
+
+
+def two_dtypes_steps(model, opt, rows, world):
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(world * B, D, generator=g)[rows], torch.randint(V, (world * B,), generator=g)[rows]
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def three_ranks(rank, world):
     out, rows = {}, slice(rank * B, (rank + 1) * B)
+    for stage in range(3):
+        model = TwoDtypes()
+        opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1), bucket_bytes=1 << 20)
+        two_dtypes_steps(model, opt, rows, world)
+        out[(stage, "two dtypes")] = ({n: t.double() for n, t in opt.full_state_dict().items()},
+                                      [sorted({str(p.dtype) for p in u.params}) for u in opt.units])
     for stage in range(4):
         for case, no_sync in (("sgd", True), ("sgd-accum", True), ("sgd-accum", False)):
             for overlap in (True, False):
@@ -554,7 +581,14 @@ def test_three_ranks_match_the_reference():
     # bucket reduced in this backward (one backward per step, or the first of several), after the
     # all-reduce otherwise; shards of 401 / 3 elements. Both within rounding of the reference.
     want = {case: reference(case, 3) for case in ("sgd", "sgd-accum")}
+    model = TwoDtypes()
+    two_dtypes_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), slice(None), 3)
     for res in spawn(3, "three_ranks"):
+        for stage in range(3):  # and a model in two dtypes, bucketed: one bucket per dtype
+            got, dtypes = res.pop((stage, "two dtypes"))
+            assert dtypes == [["torch.float64"], ["torch.float32"]]
+            for name, p in model.named_parameters():
+                assert (got[name] - p.detach().double()).abs().max().item() <= 1e-5, (stage, name)
         for (stage, case, no_sync, overlap), got in res.items():
             for name, t in got.items():
                 assert (t - want[case][name]).abs().max().item() <= 1e-5, (stage, case, no_sync, overlap, name)

@@ -436,14 +436,17 @@ class DataParallel:
         # reverse (the order backward produces gradients in, roughly), a bucket is closed as soon
         # as it holds bucket_bytes. Small units are merged, large ones split at parameter
         # boundaries, and what is left over is the bucket of the model's first parameters, the
-        # last one backward completes: the reduction nothing overlaps is the smallest.
-        # The price: a bucket is reduced only when its last gradient has arrived, and stage 2
+        # last one backward completes: the reduction nothing overlaps is the smallest. A bucket
+        # also ends where the dtype or device changes (one flat buffer holds one). The price: a bucket is reduced only when its last gradient has arrived, and stage 2
         # holds a whole bucket's full gradient while it is reduced.
         if not self.bucket_bytes:
             return groups
         params = [p for _, ps in groups for p in ps]
         buckets, open_, held = [], [], 0
         for p in reversed(params):
+            if open_ and (p.dtype, p.device) != (open_[-1].dtype, open_[-1].device):
+                buckets.append(open_[::-1])
+                open_, held = [], 0
             open_.append(p)
             held += p.numel() * p.element_size()
             if held >= self.bucket_bytes:
