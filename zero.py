@@ -61,8 +61,9 @@ mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions 
 master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: each
 unit's reduction launched asynchronously during backward, in DataParallel._reduce_unit and
 _land_reduced; stage 3's prefetch in ZeRO3._prefetch), buckets (bucket_bytes, --bucket-mb:
-stages 0-2 cut the parameters into buckets of that size, in DataParallel._buckets), and on gloo with CPU tensors a faster
-reduce-scatter and all-gather than gloo's own (DIRECT, in reduce_scatter and all_gather).
+stages 0-2 cut the parameters into buckets of that size, in DataParallel._buckets), and on gloo
+with CPU tensors a faster reduce-scatter and all-gather than gloo's own (DIRECT, in
+reduce_scatter and all_gather).
 
 Checkpoints (DataParallel.state_dict, then the section "Checkpoint files") are written by every
 rank in parallel, in model coordinates (parameter names, element ranges), so a checkpoint of N
@@ -229,10 +230,6 @@ def _numel(shape):
     for d in shape:
         n *= d
     return n
-
-
-def _nbytes_of(params):
-    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _all_ranks(row, device, dtype=torch.int64):
@@ -437,8 +434,9 @@ class DataParallel:
         # as it holds bucket_bytes. Small units are merged, large ones split at parameter
         # boundaries, and what is left over is the bucket of the model's first parameters, the
         # last one backward completes: the reduction nothing overlaps is the smallest. A bucket
-        # also ends where the dtype or device changes (one flat buffer holds one). The price: a bucket is reduced only when its last gradient has arrived, and stage 2
-        # holds a whole bucket's full gradient while it is reduced.
+        # also ends where the dtype or device changes (one flat buffer holds one). The price: a
+        # bucket is reduced only when its last gradient has arrived, and stage 2 holds a whole
+        # bucket's full gradient while it is reduced.
         if not self.bucket_bytes:
             return groups
         params = [p for _, ps in groups for p in ps]
