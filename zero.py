@@ -648,20 +648,20 @@ class DataParallel:
         """Bytes of model state this rank holds right now, summed over the storages really
         allocated (a view counts once, a freed buffer counts 0). Frozen parameters and buffers are
         not model state that ZeRO shards and are not counted."""
-        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        state += [u.master for u in self.units if u.master is not u.shard]  # the fp32 master copy
-        return {**self._params_and_grads(), "optimizer": _nbytes(state)}
-
-    def _params_and_grads(self):
-        return {"params": _nbytes([u.flat for u in self.units] + [u.shard for u in self.units]),
-                "grads": _nbytes([g for u in self.units for g in (u.grad, u.grad_shard) if g is not None]
-                                 + [t for w, _, mine in self._in_flight for t in (mine, *getattr(w, "buffers", ()))])}
+        held = [self._unit_bytes(u) for u in self.units]
+        return {"params": sum(h["params"] for h in held), "grads": sum(h["grads"] for h in held),
+                "optimizer": self._optimizer_bytes()}
 
     def _unit_bytes(self, unit):
-        # No two units share a storage, so what a rank holds is the sum of what each unit holds.
+        # No two units share a storage, so what a rank holds is the sum of what each unit holds:
+        # its parameters and gradients, with what its reduction in flight holds.
         flying = [t for w, u, mine in self._in_flight if u is unit for t in (mine, *getattr(w, "buffers", ()))]
         return Counter(params=_nbytes([unit.flat, unit.shard]),
                        grads=_nbytes([g for g in (unit.grad, unit.grad_shard) if g is not None] + flying))
+
+    def _optimizer_bytes(self):
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return _nbytes(state + [u.master for u in self.units if u.master is not u.shard])  # + fp32 masters
 
     def _track_peak(self, unit=None):
         # Called where memory changes. After the step (unit None) everything is measured. During
@@ -676,7 +676,7 @@ class DataParallel:
             self._now.update(self._held[u])
             self._now.subtract(old)
         if unit is None:
-            self._now["optimizer"] = self.memory_breakdown()["optimizer"]
+            self._now["optimizer"] = self._optimizer_bytes()
         for kind, n in self._now.items():
             self.peak[kind] = max(self.peak[kind], n)
 
