@@ -650,6 +650,9 @@ def test_mixed_precision_memory_matches_the_paper(ranks, stage):
         # 2 + 2 + 12 bytes per parameter: bf16 params and grads; fp32 master, m and v (K = 12)
         assert rec["mem"] == {"params": 2 * shard(stage >= 3), "grads": 2 * shard(stage >= 2),
                               "optimizer": 12 * shard(stage >= 1) + 4 * units}
+        # each reduction in flight holds an fp32 copy of its unit's gradient: one at a time, also
+        # in stage 0 (whose in-place fp32 all-reduces may all be in flight at once)
+        assert rec["in_flight"] <= 1
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -381,6 +381,8 @@ class DataParallel:
                 unit.master = full32[self._owned(unit)].clone()
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, weakref.ref(self), i))
+        if any(u.flat.dtype != (self.reduce_dtype or u.flat.dtype) for u in self.units):
+            self._max_in_flight = 1  # each reduction in flight holds a copy in reduce_dtype of its own
         # The optimizer only ever sees flat tensors: the whole flat buffer here, this rank's shard
         # from stage 1 on. That is exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
         # each element's update depends on that element's gradient and state only, so cutting the
@@ -561,10 +563,11 @@ class DataParallel:
     def _land_reduced(self, wait=True):
         # Overlap: with async_op=True the collective runs on the backend's own thread while
         # autograd goes on computing the next unit's gradients. Stage 0's all-reduces work in
-        # place, with no memory of their own, so as DDP it leaves them all in flight. From stage 1
-        # on, as FSDP2, one at a time (stage 2 holds a full-unit buffer for each, gloo's all-to-all
-        # a receive buffer): launching the next waits for the last. They land oldest first, the
-        # same order as without overlap, so the sums are the same.
+        # place, with no memory of their own, so as DDP it leaves them all in flight (unless each
+        # reduces a copy in reduce_dtype: see __init__). From stage 1 on, as FSDP2, one at a time
+        # (stage 2 holds a full-unit buffer for each, gloo's all-to-all a receive buffer):
+        # launching the next waits for the last. They land oldest first, the same order as
+        # without overlap, so the sums are the same.
         while self._in_flight and (wait or len(self._in_flight) > self._max_in_flight
                                    or self._in_flight[0][0].is_completed()):
             work, unit, reduced = self._in_flight.pop(0)
