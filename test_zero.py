@@ -550,8 +550,8 @@ class TwoDtypes(nn.Module):
         return self.b(torch.tanh(self.a(x.double())).float())
 
 
-def two_dtypes_steps(model, opt, rows, world):
-    for step in range(2):
+def two_dtypes_steps(model, opt, rows, world, steps=range(2)):
+    for step in steps:
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(world * B, D, generator=g)[rows], torch.randint(V, (world * B,), generator=g)[rows]
         F.cross_entropy(model(x), y).backward()
@@ -567,6 +567,19 @@ def three_ranks(rank, world):
         two_dtypes_steps(model, opt, rows, world)
         out[(stage, "two dtypes")] = ({n: t.double() for n, t in opt.full_state_dict().items()},
                                       [sorted({str(p.dtype) for p in u.params}) for u in opt.units])
+        # resumed from a checkpoint after step 1: the same bits, float64 masters included
+        root = os.path.join(os.environ["ZERO_TEST_TMP"], f"two-dtypes{stage}")
+        runs = []
+        for steps in (range(2), range(1), range(1, 2)):  # straight; to the checkpoint; from it
+            model = TwoDtypes()
+            opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), bucket_bytes=1 << 20)
+            if steps.start == 1:
+                zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+            two_dtypes_steps(model, opt, rows, world, steps)
+            if steps.stop == 1:
+                zero.save_checkpoint(opt, root, 1)
+            runs.append(opt.full_state_dict())
+        out[(stage, "two dtypes resumed")] = (runs[0], runs[2])
     for stage in range(4):
         for case, no_sync in (("sgd", True), ("sgd-accum", True), ("sgd-accum", False)):
             for overlap in (True, False):
@@ -587,6 +600,9 @@ def test_three_ranks_match_the_reference():
         for stage in range(3):  # and a model in two dtypes, bucketed: one bucket per dtype
             got, dtypes = res.pop((stage, "two dtypes"))
             assert dtypes == [["torch.float64"], ["torch.float32"]]
+            straight, resumed = res.pop((stage, "two dtypes resumed"))
+            assert straight["a.weight"].dtype == torch.float64 and straight["b.weight"].dtype == torch.float32
+            assert all(torch.equal(straight[n], resumed[n]) for n in straight), stage
             for name, p in model.named_parameters():
                 assert (got[name] - p.detach().double()).abs().max().item() <= 1e-5, (stage, name)
         for (stage, case, no_sync, overlap), got in res.items():

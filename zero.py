@@ -241,6 +241,11 @@ def _all_ranks(row, device, dtype=torch.int64):
     return every.view(dist.get_world_size(), len(row)).tolist()
 
 
+def _wide(t):
+    """t in float32, or kept in float64: the precision masters are saved and returned in."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _nbytes(tensors):
     """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
     is not counted twice and a freed buffer (storage resized to 0) counts 0."""
@@ -684,16 +689,16 @@ class DataParallel:
             self.peak[kind] = max(self.peak[kind], n)
 
     def full_state_dict(self):
-        """{name: full float32 tensor} for every parameter (tied ones once, frozen ones too), on
-        every rank; in mixed precision, the fp32 master values."""
+        """{name: full float32 tensor (float64 for a float64 parameter)} for every parameter (tied
+        ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
         full = {}
         for unit in self.units:  # one unit at a time: stage 3 never holds the whole model at once
             flat = self._full_master(unit)
             full.update({p: flat[unit.offset[p]:unit.offset[p] + p.numel()].view_as(p).clone() for p in unit.params})
-        return {n: full[p] if p in full else p.detach().float().clone() for n, p in self.model.named_parameters()}
+        return {n: full[p] if p in full else _wide(p.detach()).clone() for n, p in self.model.named_parameters()}
 
     def _full_master(self, unit):
-        return unit.master.float()  # [N*S]: every rank steps the whole unit
+        return _wide(unit.master)  # [N*S]: every rank steps the whole unit
 
     # Checkpoints. A checkpoint must outlive its job's shape: it is written by N ranks at one
     # stage and may be read by M ranks at another. So what a rank writes is stated in the
@@ -713,7 +718,7 @@ class DataParallel:
         of this rank's state_dict() needs to know. Equal on every rank."""
         names = {p: n for n, p in self.model.named_parameters()}
         return {"stage": self.stage, "world_size": self.world, "psi": self.psi,
-                "dtype": {"compute": str(self.units[0].flat.dtype), "master": "torch.float32"},
+                "dtype": {"compute": str(self.units[0].flat.dtype), "master": str(_wide(self.units[0].master).dtype)},
                 "units": [[[names[p], list(p.shape)] for p in u.params] for u in self.units],
                 "replicated": {n: list(t.shape) for n, t in self._replicated()}}
 
@@ -727,7 +732,7 @@ class DataParallel:
                 if self._owned(u) == slice(None):  # only the pieces' parts inside u.mine: no full copy
                     starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
                     pieces = [t[max(u.mine.start - a, 0):max(u.mine.stop - a, 0)] for t, a in zip(pieces, starts)]
-                return torch.cat([t.detach() for t in pieces if t.numel()]).float()
+                return _wide(torch.cat([t.detach() for t in pieces if t.numel()]))
             states = [self.optimizer.state.get(piece, {}) for piece in u.pieces]
             per_element = {}
             for key, value in states[0].items():
@@ -770,7 +775,7 @@ class DataParallel:
             for u in self.units:
                 owned = self._owned(u)
                 lo = owned.start or 0  # this rank's elements of the unit: [lo, lo + numel of master)
-                values = {k: torch.zeros(u.master.numel()) for k in keys}  # padding stays 0
+                values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype) for k in keys}  # padding 0
                 for p in u.params:
                     a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                     if a < b:  # p has elements in this rank's range: fetch them by p's name
@@ -885,14 +890,14 @@ class ZeRO1(DataParallel):
 
     def _full_master(self, unit):
         if unit.master is unit.shard:  # fp32: the flat buffer already holds every rank's stepped shard
-            return unit.flat.float()
+            return _wide(unit.flat)
         return self._gather_master(unit)
 
     def _gather_master(self, unit):
         full = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
         all_gather(full, unit.master)  # [N*S] <- every rank's [S]
         self._sent("all_gather", full)
-        return full.float()
+        return _wide(full)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1243,8 +1248,8 @@ def load_checkpoint(opt, path):
 
 
 def consolidate(path, out):
-    """Write one plain state_dict, {key: full fp32 tensor} for every key of the model's own
-    state_dict(), from the sharded checkpoint in `path`: what model.load_state_dict() takes.
+    """Write one plain state_dict, {key: full fp32 (or fp64) tensor} for every key of the model's
+    own state_dict(), from the sharded checkpoint in `path`: what model.load_state_dict() takes.
     One process, no process group, any stage and world size."""
     manifest, parts = read_checkpoint(path)
     full = dict(parts[0]["replicated"])
