@@ -192,6 +192,11 @@ def run_scenarios(rank, world):
         seen = watch(model, opt)
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS)
         out[(stage, "no-overlap")] = dict(seen, full=opt.full_state_dict())
+        # and of the "sgd" case: one backward per step, where stage 0 with overlap divides by N as
+        # it copies gradients in, and without it after the all-reduce
+        model, opt = wrapped(rank, stage, "sgd", seed=100, overlap=False)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["sgd"], rows, world, STEPS)
+        out[(stage, "no-overlap sgd")] = opt.full_state_dict()
 
         # gloo's own reduce_scatter_tensor / all_gather_into_tensor (zero.DIRECT = False), and
         # zero.py's reduce-scatter as N reduces (A2A_BYTES = 0) instead of an all-to-all: the same
@@ -443,6 +448,8 @@ def test_overlap_changes_nothing_but_timing(ranks, stage):
         on, off = res[(stage, "adamw")], res[(stage, "no-overlap")]
         for name, t in on["full"].items():
             assert torch.equal(t, off["full"][name]), name  # bit-identical (N = 1, 2, 4: see three_ranks)
+        for name, t in res[(stage, "sgd")]["full"].items():
+            assert torch.equal(t, res[(stage, "no-overlap sgd")][name]), name
         assert off["in_flight"] == 0 and off["prefetching"] == 0
         if world > 1:
             # a reduction still in flight while backward goes on: launched before it finished
