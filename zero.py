@@ -386,7 +386,7 @@ class DataParallel:
                 unit.master = full32[self._owned(unit)].clone()
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, weakref.ref(self), i))
-        if any(u.flat.dtype != (self.reduce_dtype or u.flat.dtype) for u in self.units):
+        if any(map(self._reduces_a_copy, self.units)):
             self._max_in_flight = 1  # each reduction in flight holds a copy in reduce_dtype of its own
         # The optimizer only ever sees flat tensors: the whole flat buffer here, this rank's shard
         # from stage 1 on. That is exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
@@ -486,6 +486,9 @@ class DataParallel:
     def _for_reduce(self, grad):
         return grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)  # no copy if equal
 
+    def _reduces_a_copy(self, unit):  # _for_reduce() copies this unit's gradient into reduce_dtype
+        return self.reduce_dtype not in (None, unit.flat.dtype)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward calls inside only add up local gradients, as DDP's no_sync(): the next backward
@@ -519,7 +522,7 @@ class DataParallel:
             # x/N or sum / N: the same bits when N is a power of two, else within rounding.)
             # Stage 1 divides only its shard, after the reduce-scatter: 1/N of that pass.
             unit.scaled = unit.fresh and self._prescale and self._reduce_in_backward() and \
-                self.reduce_dtype in (None, unit.grad.dtype)
+                not self._reduces_a_copy(unit)
             unit.fresh = False
         if p.grad.data_ptr() != view.data_ptr():
             if unit.scaled:
