@@ -1,13 +1,13 @@
 """
 fsdp_demo.py: the training of zero.py, done by PyTorch's own implementation of each stage.
 
-    torchrun --nproc_per_node=4 fsdp_demo.py --stage 3             # FSDP2, reshard_after_forward=True
-    torchrun --nproc_per_node=4 fsdp_demo.py --stage 3 --compare   # then zero.py's stage 3, side by side
-    torchrun --nproc_per_node=4 fsdp_demo.py --stage 2 --bf16      # FSDP2 with bf16 compute
-    torchrun --nproc_per_node=4 fsdp_demo.py --bench               # every stage vs PyTorch, timed
+    torchrun --nproc_per_node=4 fsdp_demo.py --stage 3           # FSDP2, reshard_after_forward=True
+    torchrun --nproc_per_node=4 fsdp_demo.py --stage 3 --compare # and zero.py's stage 3 beside it
+    torchrun --nproc_per_node=4 fsdp_demo.py --stage 2 --bf16    # FSDP2 with bf16 compute
+    torchrun --nproc_per_node=4 fsdp_demo.py --bench             # every stage vs PyTorch, timed
 
-Same model, data, seed, training loop and measurements as zero.py: they are imported from it, so the
-only difference on this page is who shards. Per stage:
+Same model, data, seed, training loop and measurements as zero.py: they are imported from it, so
+the only difference on this page is who shards. Per stage (parallelize() below builds each):
 
     zero.py        PyTorch
     DataParallel   DistributedDataParallel(model)
@@ -22,15 +22,16 @@ only difference on this page is who shards. Per stage:
     ZeRO3          fully_shard(block, reshard_after_forward=True) per block, then the root
 
 FSDP2's knobs and the zero.py code that does the same job:
-- fully_shard(module): one communication unit, i.e. one zero.Unit (zero.wrap's `units=`). The root
-  call takes whatever no block holds: zero.py's root unit.
+- fully_shard(module): one communication unit, i.e. one zero.Unit (zero.wrap's `units=`). The
+  root call takes whatever no block holds: zero.py's root unit.
 - reshard_after_forward=True: ZeRO3._post_forward frees the unit after forward, and the
   multi-grad hook gathers it again before backward. False: the unit stays gathered until its
   gradient is reduced (zero.py's stage 3 does this for its root unit only).
 - MixedPrecisionPolicy(param_dtype, reduce_dtype): zero.wrap(param_dtype=..., reduce_dtype=...);
   --bf16 sets param_dtype=bfloat16, reduce_dtype=float32 on both sides. FSDP2 keeps its sharded
   parameters in fp32 (they are the master copy) and casts a bf16 copy per unit for compute;
-  zero.py keeps the bf16 shard and an fp32 master beside it, as the paper does.
+  zero.py keeps the bf16 shard and an fp32 master beside it, as the ZeRO paper
+  (arXiv:1910.02054) does.
 - Implicit prefetch (the next unit's all-gather issued while the current one computes) and
   set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: ZeRO3._prefetch, in the
   order recorded in the first forward (overlap=False / --no-overlap turns it off). FSDP2's
@@ -39,18 +40,18 @@ FSDP2's knobs and the zero.py code that does the same job:
   and 1 already wait for step(); stages 2 and 3 reduce-scatter in every backward.
 - clip_grad_norm_ on DTensor gradients returns a DTensor norm (.full_tensor() reads it):
   zero.py's clip_grad_norm_ all-reduces the sum of squares of the shards itself.
-- Parameters become DTensors sharded on dim 0 (each parameter cut separately, padded); zero.py cuts
-  one flat buffer per unit. Both give each rank 1/N of every unit.
+- Parameters become DTensors sharded on dim 0 (each parameter cut separately, padded); zero.py
+  cuts one flat buffer per unit. Both give each rank 1/N of every unit.
 
 What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: CUDA streams and events for
 overlap (zero.py uses the backends' async work handles, which is all gloo has), per-parameter
-groups; CPU and NVMe offload (ZeRO-Offload/Infinity:
-another memory tier, not another idea); hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
+groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not another idea);
+hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
 communication (ZeRO++); activation checkpointing and ZeRO-R's activation partitioning
-(activations are not model state); DTensor state dicts and torch.distributed.checkpoint (zero.py's
-checkpoints do the same job in small: a file per rank plus a manifest, resharded when loaded);
-torch.compile integration. Each is an
-optimization on top of the three sharding ideas, and each would double the code to read.
+(activations are not model state); DTensor state dicts and torch.distributed.checkpoint
+(zero.py's checkpoints do the same job in small: a file per rank plus a manifest, resharded when
+loaded); torch.compile integration. Each is an optimization on top of the three sharding ideas,
+and each would double the code to read.
 """
 import argparse
 import contextlib
@@ -69,9 +70,51 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero
 
-PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
-                 "FSDP2 fully_shard(reshard_after_forward=False)", "FSDP2 fully_shard(reshard_after_forward=True)"]
 
+# ----------------------------------------------------------------------------------------------
+# PyTorch's counterpart of each zero.py stage
+
+PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
+                 "FSDP2 fully_shard(reshard_after_forward=False)",
+                 "FSDP2 fully_shard(reshard_after_forward=True)"]
+
+
+def parallelize(model, args):
+    """PyTorch's counterpart of zero.py's stage args.stage: returns (model to call, optimizer)."""
+    if args.stage == 0:  # zero.DataParallel
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
+        net = DDP(model, gradient_as_bucket_view=True)
+        return net, zero.adamw(args)(model.parameters())
+
+    if args.stage == 1:  # zero.ZeRO1
+        net = DDP(model, gradient_as_bucket_view=True)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=args.lr, weight_decay=0.1)
+        return net, optimizer
+
+    # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root
+    if args.bf16:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    reshard = args.stage == 3
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp_policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp_policy)
+    return model, zero.adamw(args)(model.parameters())
+
+
+def pytorch(args, world, count_steps=None):
+    """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
+    def build(model):
+        net, optimizer = parallelize(model, args)
+        label = f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
+        return net, Torch(model, optimizer, world, count_steps, net), label
+    return build
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting PyTorch's communication at the dispatcher
 
 class CommCounter(TorchDispatchMode):
     """Counts the bytes of every c10d collective that runs while it is active, at the same ring
@@ -81,7 +124,8 @@ class CommCounter(TorchDispatchMode):
     DTensor sends inside its own dispatch (a mode is switched off there), which here is only the
     few bytes of clip_grad_norm_'s norm over FSDP2's sharded gradients."""
 
-    KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),  # (name, kind, ring cost x)
+    KINDS = [("allreduce", "all_reduce", 2),  # (op name, kind, ring cost x)
+             ("broadcast", "broadcast", 1),
              ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1),
              ("reduce", "reduce", 1), ("alltoall", "all_to_all", 1)]
 
@@ -90,9 +134,10 @@ class CommCounter(TorchDispatchMode):
         self.world, self.comm = world, comm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first and
-        # reduce-scatter's input second. _c10d_functional.all_reduce, .all_gather_into_tensor, ...
-        # (DTensor's, e.g. for the gradient norm) take only the input: an all-gather's is 1/N of it.
+        # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first
+        # and reduce-scatter's input second. _c10d_functional.all_reduce, .all_gather_into_tensor,
+        # ... (DTensor's, e.g. for the gradient norm) take only the input: an all-gather's is 1/N
+        # of it.
         functional = func.namespace == "_c10d_functional"
         name = func.overloadpacket.__name__.replace("_", "")
         for key, kind, times in self.KINDS if func.namespace == "c10d" or functional else []:
@@ -109,6 +154,9 @@ def _flat(x):
     return [t for item in x for t in _flat(item)] if isinstance(x, (list, tuple)) else [x]
 
 
+# ----------------------------------------------------------------------------------------------
+# The adapter: PyTorch's model and optimizer behind zero.py's optimizer interface
+
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -120,7 +168,8 @@ class Torch:
     def __init__(self, model, optimizer, world, count_steps=None, net=None):
         self.model, self.optimizer, self.world, self.net = model, optimizer, world, net
         self.count_steps = count_steps  # --bench counts only the first step: the mode costs time
-        self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor: global numel
+        # DTensor parameters: numel() is the global count
+        self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.comm = Counter()
         self.peak = {}  # the transient buffers live inside PyTorch's internals: not measured
 
@@ -136,7 +185,7 @@ class Torch:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: a DTensor norm
 
     def no_sync(self):
-        # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2 and 3
+        # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2, 3
         return self.net.no_sync() if isinstance(self.net, DDP) else contextlib.nullcontext()
 
     def step(self):
@@ -148,8 +197,10 @@ class Torch:
     def memory_breakdown(self):
         """Bytes this rank holds, from the local shards of DTensors, as zero.py measures its own."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        local_optimizer = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer's own
-        state = [v for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        # ZeroRedundancyOptimizer: its local optimizer holds this rank's state
+        local_optimizer = getattr(self.optimizer, "optim", self.optimizer)
+        state = [v for s in local_optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v)]
         return {"params": zero._nbytes([_local(p) for p in params]),
                 "grads": zero._nbytes([_local(p.grad) for p in params if p.grad is not None]),
                 "optimizer": zero._nbytes([_local(v) for v in state])}
@@ -159,32 +210,16 @@ class Torch:
                 for n, p in self.model.named_parameters()}
 
 
-def pytorch(args, world, count_steps=None):
-    """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
-    def build(model):
-        if args.stage <= 1:
-            # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
-            net = DDP(model, gradient_as_bucket_view=True)
-            optimizer = (zero.adamw(args)(model.parameters()) if args.stage == 0 else
-                         ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                                 lr=args.lr, weight_decay=0.1))
-        else:
-            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if args.bf16 else MixedPrecisionPolicy())
-            for block in model.blocks:  # PyTorch's FSDP2 example: each block, then the root
-                fully_shard(block, reshard_after_forward=args.stage == 3, mp_policy=mp)
-            fully_shard(model, reshard_after_forward=args.stage == 3, mp_policy=mp)
-            net, optimizer = model, zero.adamw(args)(model.parameters())
-        return net, Torch(model, optimizer, world, count_steps, net), f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
-    return build
-
+# ----------------------------------------------------------------------------------------------
+# --compare: PyTorch's run, then zero.py's, in the same processes
 
 def zero_counted(args, world, seen):
     """build() for zero.train: zero.py's own stage, also counted at the dispatcher into `seen`,
     as a check that both counters agree."""
     def build(model):
         opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks,
-                        param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap)
+                        param_dtype=torch.bfloat16 if args.bf16 else None,
+                        overlap=not args.no_overlap)
         opt.counting = lambda: CommCounter(world, seen)
         return model, opt, f"zero.py stage {args.stage} ({zero.STAGE_NAMES[args.stage]})"
     return build
@@ -205,32 +240,42 @@ def compare(args, keep_params=False):
 
 def print_comparison(theirs, ours, args):
     log = zero.log0
-    log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, N = {ours['world']}")
+    log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, "
+        f"N = {ours['world']}")
     log(f"  {'step':>4}  {'loss PyTorch':>12}  {'loss zero.py':>12}  {'difference':>10}")
     for i, (a, b) in enumerate(zip(theirs["losses"], ours["losses"]), 1):
         log(f"  {i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>10.2e}")
-    log(f"  largest loss difference {max(abs(a - b) for a, b in zip(theirs['losses'], ours['losses'])):.2e}")
+    largest = max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"]))
+    log(f"  largest loss difference {largest:.2e}")
     if theirs["full"] is not None:
         diff = max((theirs["full"][n] - t).abs().max().item() for n, t in ours["full"].items())
         log(f"  largest parameter difference after {args.steps} steps {diff:.2e}")
-    log(f"\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14} {'zero.py':>14} {'zero.py / PyTorch':>18}")
-    rows = [(f"{k} bytes", theirs["mem"][k], ours["mem"][k]) for k in ("params", "grads", "optimizer")]
+    log(f"\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14} {'zero.py':>14} "
+        f"{'zero.py / PyTorch':>18}")
+    rows = [(f"{k} bytes", theirs["mem"][k], ours["mem"][k])
+            for k in ("params", "grads", "optimizer")]
     rows.append(("model state bytes", sum(theirs["mem"].values()), sum(ours["mem"].values())))
     rows.append(("bytes sent per step", sum(theirs["comm"].values()), sum(ours["comm"].values())))
-    rows.append(("median step time, ms", statistics.median(theirs["times"]) * 1e3, statistics.median(ours["times"]) * 1e3))
+    rows.append(("median step time, ms", statistics.median(theirs["times"]) * 1e3,
+                 statistics.median(ours["times"]) * 1e3))
     if ours["cuda_peak"]:
-        rows.append(("cuda max_memory_allocated", max(theirs["cuda_peak"]), max(ours["cuda_peak"])))
+        rows.append(("cuda max_memory_allocated", max(theirs["cuda_peak"]),
+                     max(ours["cuda_peak"])))
     for name, a, b in rows:
         log(f"  {name:<34} {a:>14,.1f} {b:>14,.1f} {b / a if a else float('nan'):>18.3f}")
-    log(f"  (bytes sent: PyTorch's counted at the dispatcher, zero.py's by itself; the dispatcher saw "
-        f"{sum(ours['comm_seen'].values()):,.1f} for zero.py)")
+    log(f"  (bytes sent: PyTorch's counted at the dispatcher, zero.py's by itself; the dispatcher "
+        f"saw {sum(ours['comm_seen'].values()):,.1f} for zero.py)")
     if ours["cuda_peak"]:
         for name, res in (("PyTorch", theirs), ("zero.py", ours)):
             log(f"  torch.cuda.max_memory_allocated per rank, {name}: "
                 + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
     if args.stage == 2:
-        log("  (stage 2: FSDP2 keeps parameters sharded between steps, zero.py keeps them whole: see the docstring)")
+        log("  (stage 2: FSDP2 keeps parameters sharded between steps, zero.py keeps them whole: "
+            "see the docstring)")
 
+
+# ----------------------------------------------------------------------------------------------
+# --bench: every stage against its PyTorch counterpart, timed
 
 BENCH_MODELS = [("default", {}),  # and 4 blocks of width 1024: 50.6M parameters
                 ("50M", dict(d_model=1024, n_layer=4, n_head=16, seq_len=32, batch_size=2))]
@@ -246,38 +291,48 @@ def bench(args):
     rows = []
     for name, size in BENCH_MODELS:
         for stage in range(4):
-            # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2 and 3
-            # use the units FSDP2 is given (one per block), so both sides communicate the same pieces.
-            a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": max(args.steps, 2),
+            # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2
+            # and 3 use the units FSDP2 is given (one per block), so both sides communicate the
+            # same pieces.
+            a = argparse.Namespace(**{**vars(args), **size, "stage": stage,
+                                      "steps": max(args.steps, 2),
                                       "bucket_mb": 25 if stage < 2 else args.bucket_mb})
             runs = {"PyTorch": [], "zero.py": []}
             for _ in range(args.repeats):
-                for who, build in (("PyTorch", pytorch(a, world, count_steps=1)), ("zero.py", None)):
+                for who, build in (("PyTorch", pytorch(a, world, count_steps=1)),
+                                   ("zero.py", None)):
                     runs[who].append(zero.train(a, build, quiet=True))
                     gc.collect()
-            med = {who: statistics.median(t for r in rs for t in r["times"][1:]) for who, rs in runs.items()}
+            med = {who: statistics.median(t for r in rs for t in r["times"][1:])
+                   for who, rs in runs.items()}
             last = {who: rs[-1] for who, rs in runs.items()}
             rows.append((name, stage, last["zero.py"]["psi"], med, last))
-            zero.log0(f"  measured {name} stage {stage}: zero.py / PyTorch = {med['zero.py'] / med['PyTorch']:.3f}")
+            zero.log0(f"  measured {name} stage {stage}: "
+                      f"zero.py / PyTorch = {med['zero.py'] / med['PyTorch']:.3f}")
     log = zero.log0
-    log(f"\n--bench: N = {world} ({dist.get_backend()}), fp32 AdamW, {args.repeats} alternating runs x "
-        f"{max(args.steps, 2) - 1} timed steps each; bytes per rank (largest over ranks)")
-    log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9} {'ratio':>6}"
-        f" {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13} {'sent zero':>11} {'formula':>11}")
+    log(f"\n--bench: N = {world} ({dist.get_backend()}), fp32 AdamW, {args.repeats} alternating "
+        f"runs x {max(args.steps, 2) - 1} timed steps each; bytes per rank (largest over ranks)")
+    log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9}"
+        f" {'ratio':>6} {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13}"
+        f" {'sent zero':>11} {'formula':>11}")
     for name, stage, psi, med, last in rows:
         formula = sum(zero.comm_formula(stage, psi, world).values())
-        log(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {med['PyTorch'] * 1e3:>10.1f} {med['zero.py'] * 1e3:>9.1f}"
-            f" {med['zero.py'] / med['PyTorch']:>6.3f} {sum(last['PyTorch']['mem'].values()):>14,}"
+        log(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {med['PyTorch'] * 1e3:>10.1f}"
+            f" {med['zero.py'] * 1e3:>9.1f} {med['zero.py'] / med['PyTorch']:>6.3f}"
+            f" {sum(last['PyTorch']['mem'].values()):>14,}"
             f" {sum(last['zero.py']['mem'].values()):>12,} {last['PyTorch']['sent'][0]:>13,.0f}"
             f" {last['zero.py']['sent'][0]:>11,.0f} {formula:>11,.0f}")
-    log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params + grads"
-        " + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or 3Ψ (N-1)/N x 4 bytes")
-    # What the backend charges for each collective on the same bytes: ZeRO's "stage 1 costs what
-    # stage 0 costs" assumes reduce-scatter + all-gather = all-reduce, as ring algorithms give.
+    log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params"
+        " + grads + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or"
+        " 3Ψ (N-1)/N x 4 bytes")
+    # What the backend charges for each collective on the same bytes: the ZeRO paper's "stage 1
+    # costs what stage 0 costs" (arXiv:1910.02054) assumes reduce-scatter + all-gather =
+    # all-reduce, as ring algorithms give.
     psi = rows[-1][2]
     x, times = torch.randn(psi // world * world), {}
     shard, full = torch.empty(x.numel() // world), torch.empty_like(x)
-    for name, call in [("all_reduce", lambda: dist.all_reduce(x)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
+    for name, call in [("all_reduce", lambda: dist.all_reduce(x)),
+                       ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
                        ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
                        ("zero.reduce_scatter", lambda: zero.reduce_scatter(shard, x)),
                        ("zero.all_gather", lambda: zero.all_gather(full, shard))]:
@@ -288,21 +343,30 @@ def bench(args):
             call()
             took.append(time.perf_counter() - t0)
         times[name] = statistics.median(took[1:]) * 1e3
-    log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 gradients), median ms: " +
-        ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
-        f"; reduce_scatter + all_gather / all_reduce = {(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f},"
-        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): "
-        f"{(times['zero.reduce_scatter'] + times['zero.all_gather']) / times['all_reduce']:.2f}")
+    ours = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]
+    log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 "
+        "gradients), median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
+        "; reduce_scatter + all_gather / all_reduce = "
+        f"{(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f},"
+        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): {ours:.2f}")
 
+
+# ----------------------------------------------------------------------------------------------
+# Command line
 
 def main(argv=None):
-    p = zero.training_parser("The training of zero.py with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.")
-    p.add_argument("--compare", action="store_true", help="also run zero.py's stage and print both side by side")
-    p.add_argument("--bench", action="store_true", help="every stage vs PyTorch, default and 50M models, timed")
-    p.add_argument("--repeats", type=zero.positive(int), default=3, help="--bench: alternating runs per pair")
+    p = zero.training_parser(
+        "The training of zero.py with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.")
+    p.add_argument("--compare", action="store_true",
+                   help="also run zero.py's stage and print both side by side")
+    p.add_argument("--bench", action="store_true",
+                   help="every stage vs PyTorch, default and 50M models, timed")
+    p.add_argument("--repeats", type=zero.positive(int), default=3,
+                   help="--bench: alternating runs per pair")
     args = zero.check_args(p.parse_args(argv))
     if args.bf16 and (args.stage < 2 or args.bench):
-        raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, not --bench")
+        raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, "
+                              "not --bench")
     if args.bench:
         bench(args)
     elif args.compare:
