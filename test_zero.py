@@ -131,11 +131,12 @@ def watch(model, opt):
         opt = ref()
         m = opt.memory_breakdown()
         now = {"params": m["params"], "grads": m["grads"],
-               # bytes the running total that feeds opt.peak (zero.py's _track_peak) misses or adds
-               "untracked": max(abs(opt._now[k] - m[k]) for k in ("params", "grads")),
-               "gathered": sum(u.flat.untyped_storage().nbytes() > 0 for u in opt.units),
+               # bytes the running total that feeds opt.peak (zero.py's Meter.event) misses or adds
+               "untracked": max(abs(opt.meter.now[k] - m[k]) for k in ("params", "grads")),
+               "gathered": sum(u.gathered for u in opt.units),
                "grads_held": sum(u.grad is not None for u in opt.units),
-               "in_flight": len(opt._in_flight), "prefetching": sum(u.work is not None for u in opt.units)}
+               "in_flight": len(opt.in_flight.queue),
+               "prefetching": sum(u.prefetch is not None for u in opt.units)}
         seen.update({k: max(seen[k], v) for k, v in now.items()})
     for m in model.modules():
         m.register_forward_pre_hook(sample)
@@ -184,7 +185,7 @@ def run_scenarios(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS,
                   after_step=lambda: comm.append(dict(opt.comm)))
         out[(stage, "bucketed")] = {"full": opt.full_state_dict(), "layout": layout(opt),
-                                    "names": [[n for n, _ in u] for u in opt.layout()["units"]],
+                                    "names": [[n for n, _ in u] for u in zero.layout(opt)["units"]],
                                     "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]}
 
         # Overlap off: the same run, every collective waited for where it is issued
@@ -359,7 +360,7 @@ def test_sharded_state_is_never_whole(ranks, stage):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_peak_follows_every_change(ranks, stage):
-    # opt.peak grows from a running total that _track_peak corrects one unit at a time, where
+    # opt.peak grows from a running total that Meter.event corrects one unit at a time, where
     # memory changes. Sampled from inside forward and backward, the total equals a full
     # measurement (memory_breakdown()) every time: no change goes uncounted.
     world, results = ranks

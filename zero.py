@@ -2,24 +2,22 @@
 zero.py: data parallelism and ZeRO stages 1, 2 and 3, written from scratch with the raw
 torch.distributed collectives, in one file you can read top to bottom.
 
-    torchrun --nproc_per_node=4 zero.py --stage 2      # 4 ranks: gloo on CPU, or NCCL, one GPU each
-    python zero.py --stage 3                           # one rank, the same code path
+    torchrun --nproc_per_node=4 zero.py --stage 2     # 4 ranks: gloo on CPU, or NCCL, a GPU each
+    python zero.py --stage 3                          # one rank, the same code path
     python zero.py --estimate --params 7.5e9 --world-size 64   # the paper's Figure 1, no training
     torchrun --nproc_per_node=4 --max-restarts=3 zero.py --ckpt-dir ckpt --ckpt-every 10
-                                                       # survives a killed rank; resumes at any N, any stage
-    python zero.py --consolidate ckpt --out model.pt   # one plain state_dict from the shards
+    python zero.py --consolidate ckpt --out model.pt  # one plain state_dict from the shards
 
-The problem. Plain data parallelism keeps a full copy of the *model state* on every rank:
-the parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision
-an fp32 master copy of the weights). With Ψ parameters that is 16Ψ bytes per rank in the
-paper's mixed-precision Adam accounting, the same for fp32 Adam here (4 + 4 + 8 bytes per
-parameter). A 7.5B model needs 120 GB on every rank before a single activation is stored, and
-adding ranks does not help: each one holds the same 120 GB.
+The problem. Plain data parallelism keeps a full copy of the *model state* on every rank: the
+parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision an
+fp32 master copy of the weights): 16Ψ bytes per rank for Ψ parameters, in the paper's
+mixed-precision Adam accounting and in fp32 Adam (4 + 4 + 8) alike. A 7.5B model needs 120 GB
+on every rank before a single activation is stored, however many ranks there are.
 
 The idea (ZeRO, Rajbhandari et al., SC'20, arXiv:1910.02054). The N ranks hold N identical
-copies: keep 1/N each instead, and communicate to fill in what a rank needs at the moment it
-needs it. Shard the optimizer state (stage 1), then the gradients too (stage 2), then the
-parameters too (stage 3). Per-rank model state, bytes (paper, mixed precision, K = 12):
+copies: keep 1/N each instead, and communicate to fill in what a rank needs when it needs it.
+Shard the optimizer state (stage 1), then the gradients too (stage 2), then the parameters too
+(stage 3). Per-rank model state, bytes (paper, mixed precision, K = 12):
 
     stage                  params  grads   optimizer  total per rank   Ψ = 7.5e9, N = 64
     0 data parallel        2Ψ      2Ψ      12Ψ        16Ψ                  120 GB
@@ -27,65 +25,37 @@ parameters too (stage 3). Per-rank model state, bytes (paper, mixed precision, K
     2 ZeRO-2 (P_os+g)      2Ψ      2Ψ/N    12Ψ/N      2Ψ + 14Ψ/N          16.6 GB
     3 ZeRO-3 (P_os+g+p)    2Ψ/N    2Ψ/N    12Ψ/N      16Ψ/N                1.9 GB
 
-What it costs, per rank per optimizer step, counted as elements sent by a ring algorithm
-(all-reduce = reduce-scatter + all-gather, so it sends twice what either half sends):
+What it costs, per rank per optimizer step, in elements sent by a ring algorithm:
 
     stage 0   all_reduce(grads)                                      2Ψ (N-1)/N
     stage 1   reduce_scatter(grads) + all_gather(updated params)     2Ψ (N-1)/N  same as 0
     stage 2   the same, the reduce-scatter issued during backward    2Ψ (N-1)/N  same as 0
     stage 3   all_gather in forward + in backward + reduce_scatter   3Ψ (N-1)/N  1.5x
 
-So stages 1 and 2 are free in communication: an all-reduce *is* a reduce-scatter followed by an
-all-gather, and ZeRO just puts the optimizer step in between. (Free in bytes; in time only where
-the backend's reduce-scatter and all-gather are as fast as its all-reduce, as NCCL's rings are.
-gloo's own are not, so on gloo zero.py does them its own way: see reduce_scatter() below, and
-fsdp_demo.py --bench, which times both.) Stage 3 pays 50% more, and latency: every unit waits
-for its all-gather before it can compute.
+Stages 1 and 2 are free in bytes: an all-reduce *is* a reduce-scatter followed by an all-gather,
+and ZeRO puts the optimizer step in between. Stage 3 pays 50% more, and latency: every unit
+waits for its all-gather before it computes.
 
-How to read this file. The sections below run in the order the code does: set-up, the sharded
-layout (a Unit), the two collectives, then one class per stage, each a small diff on the one
-before it (stop reading after ZeRO1 and you know ZeRO-1), then the checkpoint files, the demo
-model and data, then the measurements and the command line. The classes share one interface,
-the one the tests and users call:
+How to read this file. Part I is the algorithm, complete: set-up, the sharded layout (a Unit),
+the two collectives, one class per stage, each a small diff on the one before it, and wrap().
+Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part II is the
+engineering, each piece in a section of its own that Part I reaches with one call: speed (each
+speed-up a switch, to measure it), mixed precision, measurement, checks, checkpoints, then the
+demo model, training loop, report and command line. The stages share one interface:
 
     optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    with optimizer.no_sync():           # optional: micro-batches that only accumulate (DDP's idiom)
+    with optimizer.no_sync():           # optional: micro-batches that only accumulate (as DDP)
         loss_fn(model(x1), y1).backward()
     loss_fn(model(x2), y2).backward()   # gradients accumulate; this one reduces
     optimizer.clip_grad_norm_(1.0)      # optional, global norm over all shards
     optimizer.step(); optimizer.zero_grad()
     zero.save_checkpoint(optimizer, "ckpt", step)   # sharded; loads at any stage and world size
 
-The speed-ups are switches, each confined to one place, so the plain path still reads plainly:
-mixed precision (param_dtype, --bf16: bf16 compute and gathers, fp32 reductions and an fp32
-master shard, in DataParallel.__init__ and step), overlap (overlap=False, --no-overlap: each
-unit's reduction launched asynchronously during backward, in DataParallel._reduce_unit and
-_land_reduced; stage 3's prefetch in ZeRO3._prefetch), buckets (bucket_bytes, --bucket-mb:
-stages 0-2 cut the parameters into buckets of that size, in DataParallel._buckets), and on gloo
-with CPU tensors a faster reduce-scatter and all-gather than gloo's own (DIRECT, in
-reduce_scatter and all_gather).
-
-Checkpoints (DataParallel.state_dict, then the section "Checkpoint files") are written by every
-rank in parallel, in model coordinates (parameter names, element ranges), so a checkpoint of N
-ranks at one stage loads at M ranks at another, exactly.
-
-What is left out, on purpose: activation memory (ZeRO-R: activation checkpointing and
-partitioning) and CPU offload (ZeRO-Offload/Infinity). Activations are not model state and no
-stage here shards them.
+Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
+Activations are not model state, and no stage here shards them.
 """
-import argparse
-import contextlib
-import functools
-import hashlib
-import itertools
-import json
-import os
-import shutil
-import statistics
-import sys
-import time
-import warnings
-import weakref
+import argparse, contextlib, functools, hashlib, itertools, json, os, shutil, statistics, sys
+import time, warnings, weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -94,65 +64,26 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
-# old names. The old names are the ones every torch >= 2.6 has (and every tutorial uses), so we
-# keep them and silence just that warning.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-
+# ===================================== PART I: THE ALGORITHM ==================================
 
 # ----------------------------------------------------------------------------------------------
 # Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
 
-class UsageError(Exception):
-    """Bad input from the command line or the environment: printed as one line, exit code 2."""
-
-
-class CheckpointError(UsageError):
-    """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
-
-
 def setup(backend=None, device=None, timeout_s=120):
     """Join the process group torchrun describes, or make a group of one without torchrun.
-
-    Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors.
-    gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several ranks share
-    one GPU; NCCL refuses that. Returns (rank, world_size, device)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpus = torch.cuda.device_count()
-    if device is None:
-        device = "cuda" if backend != "gloo" and 0 < local_world <= gpus else "cpu"
-    if backend is None:
-        backend = "nccl" if device == "cuda" and local_world <= gpus else "gloo"
-    if device == "cuda" and gpus == 0:
-        raise UsageError("--device cuda, but no CUDA GPU is visible")
-    if backend == "nccl" and (device != "cuda" or local_world > gpus):
-        raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
-                         f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
-    dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors (see
+    choose_device). Returns (rank, world_size, device)."""
+    backend, dev = choose_device(backend, device)
     if not dist.is_initialized():
-        # A bounded timeout: if a rank dies, the others fail in their next collective after
-        # timeout_s instead of waiting forever.
-        timeout = timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
+        if "RANK" in os.environ:  # the store torchrun made (see _attempt_store, Part II)
+            dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
         else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), dev
-
-
-def _attempt_store(timeout):
-    """The key-value store torchrun describes (what init_process_group's env:// would use), its
-    keys prefixed by the restart attempt. Gotcha: after torchrun --max-restarts restarts a failed
-    group, the store still holds the old ranks' gloo addresses, and a new rank that reads one
-    before its new owner overwrites it waits for ever to connect to a dead process."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=not agent and os.environ["RANK"] == "0", timeout=timeout)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,48 +98,498 @@ def _attempt_store(timeout):
 # same number of elements (to within the padding), and each collective is a single call.
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
-# units=[] everything is one unit, the root.
+# units=[] everything is one unit, the root. Default: default_units(model) (Part II).
 
 class Unit:
     def __init__(self, modules, params, rank, world):
-        self.modules, self.params = modules, params  # modules []: the root unit (what is left over)
+        self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
         self.S = -(-numel // world)                # shard size: ceil(numel / N)
-        p0 = params[0]
-        if any(p.dtype != p0.dtype or p.device != p0.device for p in params):
-            raise ValueError("zero: the parameters of one unit must share dtype and device")
-        self.flat = torch.zeros(world * self.S, dtype=p0.dtype, device=p0.device)  # [N*S]
+        self.flat = torch.zeros(world * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
             self.flat[o:o + p.numel()].copy_(p.detach().flatten())
-            p.data = self.flat[o:o + p.numel()].view_as(p)  # the module now computes with the view
+            p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
         self.mine = slice(rank * self.S, (rank + 1) * self.S)  # the elements this rank owns
         self.shard = self.flat[self.mine]  # [S] this rank's part of the parameters
-        self.master = self.shard           # [S] what the optimizer steps: the shard, or its fp32 copy
-        self.grad = None                   # [N*S] the full gradient, when this rank holds one
-        self.grad_shard = None             # [S] the owned 1/N of the averaged gradient
-        self.ready = 0                     # parameters whose gradient arrived in this backward
-        self.dirty = False                 # holds local gradients not reduced yet
-        self.fresh = True                  # holds no gradient since zero_grad(): p.grad is None
-        self.scaled = False                # this backward's gradients were divided by N as copied in
-        self.users = 0                     # stage 3: modules computing with the gathered unit now
-        self.work = None                   # stage 3: an all-gather in flight (a prefetch)
+        self.master = self.shard    # what the optimizer steps: the shard, or its fp32 copy
+        self.grad = None            # [N*S] the full gradient, while this rank holds one
+        self.grad_shard = None      # [S] the owned 1/N of the averaged gradient
+        self.arrived = 0            # parameters whose gradient arrived in this backward
+        self.unreduced = False      # holds local gradients that no reduction has summed yet
+        self.cleared = True         # holds no gradient since zero_grad() (p.grad is None)
+        self.divide = "landing"     # where this backward's gradient is divided by N (_division)
+        self.users = 0              # stage 3: modules computing with the gathered unit now
+        self.prefetch = None        # stage 3: its all-gather, launched ahead and in flight
 
-    def cast(self, dtype):
-        """Mixed precision: compute with a copy in `dtype`; the fp32 values stay with the optimizer."""
-        self.flat = self.flat.to(dtype)
-        for p in self.params:
-            p.data = self.flat[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+    @property
+    def gathered(self):  # stage 3 frees the flat buffer's storage while the unit is not used
+        return self.flat.untyped_storage().nbytes() > 0
 
-    def grad_view(self, p):
-        return self.grad[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
+    def view(self, flat, p):  # p's elements in a flat tensor of this unit, in p's shape
+        return flat[self.offset[p]:self.offset[p] + p.numel()].view_as(p)
 
+
+# ----------------------------------------------------------------------------------------------
+# The two collectives ZeRO is made of. An all-reduce is one then the other: reduce-scatter
+# (rank r receives the sum over ranks of slice r) then all-gather (every rank receives every
+# rank's slice). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, no extra memory.
+
+def reduce_scatter(out, x, async_op=False):
+    """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
+    Only out is defined afterwards: the rest of x may have changed."""
+    if _gloo_cpu(x):  # gloo's own is slow on CPU: the same bytes another way (Part II, speed)
+        return _gloo_reduce_scatter(out, x, async_op)
+    return dist.reduce_scatter_tensor(out, x, async_op=async_op)
+
+
+def all_gather(out, shard, async_op=False):
+    """out [N*S] = every rank's shard [S], in rank order. shard may be this rank's slice of out."""
+    if _gloo_cpu(out):
+        return _gloo_all_gather(out, shard, async_op)
+    return dist.all_gather_into_tensor(out, shard, async_op=async_op)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 0: data parallelism, the baseline every stage is measured against
+
+class DataParallel:
+    """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
+    averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
+
+    DDP's job, done DDP's way: as soon as backward has produced a unit's last gradient, its
+    all-reduce is launched, and step() waits for what is still in flight. Backward calls inside
+    `with optimizer.no_sync():` only add up local gradients: one reduction per step."""
+
+    stage = 0
+    keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
+
+    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None,
+                 overlap=True, bucket_bytes=0):
+        self.model, self.overlap, self.bucket_bytes = model, overlap, bucket_bytes
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Mixed precision: compute in param_dtype, reduce in reduce_dtype, step fp32 masters.
+        self.mixed_precision = param_dtype is not None
+        self.reduce_dtype = reduce_dtype or (torch.float32 if self.mixed_precision else None)
+        self.units = make_units(self, model, units)  # (Part II: which modules, buckets)
+        self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable params
+        # Reductions in flight (speed: overlap); bytes held and sent, .comm and .peak (measurement)
+        self.in_flight, self.meter = InFlight(self), Meter(self)
+        check_ranks_agree(self)  # before the first collective that could hang (Part II, checks)
+        # Start from rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
+        for t in [u.flat for u in self.units] + [t for _, t in replicated(model)]:
+            dist.broadcast(t.data, src=0)
+        if self.mixed_precision:
+            cast_frozen_and_inputs(model, self.unit_modules, param_dtype)  # (mixed precision)
+        for i, unit in enumerate(self.units):
+            full = cast(unit, param_dtype)  # mixed precision: a param_dtype copy to compute with
+            self._shard(unit)
+            unit.master = full[unit.owned].clone() if self.mixed_precision else unit.shard
+            for p in unit.params:  # runs once p.grad holds this backward's gradient for p
+                p.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_hook, weakref.ref(self), i))
+        # The optimizer only ever sees flat tensors (this rank's masters). That is exact for
+        # element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update depends
+        # on that element's gradient and state only. It is NOT for optimizers that look at whole
+        # tensors (LAMB, LARS, Shampoo, Muon: a shard holds slices of several), nor are
+        # per-parameter groups (no weight decay on biases) possible, for the same reason.
+        self.optimizer = optimizer(optimizer_pieces(self))  # the masters, in pieces (speed)
+        self._sync, self._end_queued, self._reduced = True, False, False
+        self.meter.event("start")
+
+    def _shard(self, unit):  # stage 0 shards nothing: this rank steps all, keeps the gradient
+        unit.owned = slice(0, unit.flat.numel())  # the elements of the unit this rank steps
+        unit.shard = unit.flat
+        unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward calls inside only add up local gradients, as DDP's no_sync(): k micro-batches
+        cost one reduction, not k. Stages 2 and 3 reduce-scatter in every backward regardless:
+        that is what frees their full gradients (ZeRO2)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad(self, unit, p):
+        if self._reduced:  # adding local gradients to averaged ones would silently be wrong
+            raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
+                               "call zero_grad() first")
+        if not self._end_queued:  # a parameter unused in this backward never reports: see the end
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+        if unit.arrived == 0:  # the unit's first gradient in this backward
+            unit.divide, unit.cleared = self._division(unit), False
+        # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
+        # Stages 0 and 1 keep that buffer and p.grad as a view into it (DDP's
+        # gradient_as_bucket_view): the next backward's autograd adds into it in place. A new
+        # tensor arrives instead when p.grad was None (zero_grad) or autograd accumulated out of
+        # place (create_graph=True): it is p's whole gradient so far, copy its values.
+        view = unit.view(unit.grad, p)
+        if p.grad.data_ptr() != view.data_ptr():
+            if unit.divide == "copy":
+                torch.mul(p.grad.detach(), 1 / self.world, out=view)
+            else:
+                view.copy_(p.grad.detach())
+        p.grad = view if self.keeps_full_grads else None
+        unit.unreduced, unit.arrived = True, unit.arrived + 1
+        if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
+            self._reduce_unit(unit)
+
+    def _division(self, unit):
+        # The one place that decides where this backward's gradient is divided by N (the sum
+        # over ranks -> the mean): when each all-reduce lands, or while copying (speed, below).
+        return "copy" if divides_while_copying(self, unit) else "landing"
+
+    def _reduce_in_backward(self):
+        return self.overlap and self._sync  # stages 0 and 1 reduce in backward only to overlap
+
+    def _end_of_backward(self):
+        # Runs once when autograd finishes a backward. Units of which some parameter got no
+        # gradient (unused in this forward) are reduced here, in unit order, the same on every
+        # rank (if ranks use different parameters, see check_units_agree, Part II).
+        self._end_queued = False
+        for unit in self.units:
+            if unit.unreduced and self._reduce_in_backward():
+                self._reduce_unit(unit)
+            unit.arrived = 0
+        self.in_flight.land()  # the end of backward is where overlap waits
+
+    def _zero_missing(self, unit):
+        # Stages 0 and 1: a parameter with no gradient since zero_grad() (unused) still has last
+        # step's values in the buffer: zero them (it is stepped with a zero gradient, not None).
+        if self.keeps_full_grads:
+            for p in unit.params:
+                if p.grad is None:
+                    unit.view(unit.grad, p).zero_()
+
+    def _reduce_unit(self, unit):
+        self._zero_missing(unit)
+        g = for_reduction(self, unit.grad)  # the buffer, or its copy in reduce_dtype
+        unit.unreduced = False
+        # Launched asynchronously; lands in _land now, or later with overlap (speed: InFlight)
+        self.in_flight.launch(unit, *self._reduce(unit, g))
+
+    def _reduce(self, unit, g):  # -> (the collective's work, where its result lands)
+        self.meter.sent("all_reduce", g)
+        return dist.all_reduce(g, async_op=True), g  # [N*S] in place: the sum over ranks
+
+    def _land(self, unit, g):
+        # Every rank now holds the sum over ranks. Later backward calls (accumulation without
+        # no_sync) add local gradients to its mean, and reducing again is still right: every
+        # rank adds the same mean, so (N·mean + sum of new) / N = mean + the new mean (as DDP).
+        unit.grad.copy_(g if unit.divide == "copy" else g.div_(self.world))
+
+    def _reduce_grads(self):
+        # clip_grad_norm_() and step() start here: reduce what no backward has reduced (no_sync,
+        # overlap=False), and wait for what is in flight.
+        if self._reduced:
+            return
+        for unit in self.units:
+            if unit.unreduced:
+                self._reduce_unit(unit)
+            else:
+                self._zero_missing(unit)  # no gradient at all this step, on any rank
+        self.in_flight.land()
+        self._reduced = True
+
+    def _sum_of_squares(self):
+        # Every rank holds the whole averaged gradient: its squares are the global ones.
+        return torch.stack([torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2
+                            for u in self.units]).sum()
+
+    def clip_grad_norm_(self, max_norm):
+        """Scale gradients so that their global L2 norm is at most max_norm, as
+        torch.nn.utils.clip_grad_norm_ does on the unsharded model. Returns the norm before."""
+        self._reduce_grads()
+        norm = self._sum_of_squares().sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # eps added once, to the global norm
+        for u in self.units:
+            u.grad_shard.mul_(scale.to(u.grad_shard.dtype))
+        return norm
+
+    def step(self):
+        self._reduce_grads()
+        with fp32_step(self):  # mixed precision: fp32 masters, gradients copied to fp32
+            self.optimizer.step()
+        self.meter.event("optimizer step")
+        self._gather_params()
+
+    def _gather_params(self):
+        pass  # stage 0: every rank stepped the whole model, nothing to fetch
+
+    def zero_grad(self):
+        for u in self.units:
+            if self.keeps_full_grads:  # as DDP, no pass over the buffer: the next backward's
+                # gradients overwrite it (_on_grad), what none overwrites is zeroed (_zero_missing)
+                for p in u.params:
+                    p.grad = None
+                u.cleared = True
+            else:
+                u.grad_shard.zero_()
+            u.unreduced = False
+        self._reduced = False
+
+    # The rest of the interface, in Part II: bytes held (measurement), this rank's part of a
+    # checkpoint (checkpoints), the full fp32 parameters of the model.
+    def memory_breakdown(self): return self.meter.breakdown()
+    def state_dict(self): return checkpoint_part(self)
+    def load_state_dict(self, state): load_own_part(self, state)
+    def full_state_dict(self): return full_state_dict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1: shard the optimizer state
+
+class ZeRO1(DataParallel):
+    """Changes vs DataParallel: each rank keeps optimizer state for its 1/N of each unit only.
+    Gradients are reduce-scattered (each rank receives the sum of its own shard only), the
+    optimizer steps that shard, and the updated shards are all-gathered back into every rank's
+    full parameters. Memory 4Ψ + 12Ψ/N (paper); communication unchanged, 2Ψ (N-1)/N.
+    (torch's ZeroRedundancyOptimizer hands whole parameters to owners: that balances badly.)"""
+
+    stage = 1
+
+    def _shard(self, unit):
+        super()._shard(unit)                 # full gradient buffer, as in stage 0...
+        unit.owned = unit.mine               # ...but the optimizer steps this rank's [S]
+        unit.shard = unit.flat[unit.mine]
+        unit.grad_shard = unit.grad[unit.mine]  # and its [S] of the gradient: views, no copy
+
+    def _division(self, unit):  # this rank's shard holds a sum over ranks: / N before the step
+        return "step"
+
+    def _reduce(self, unit, g):
+        # Half the all-reduce (the other half comes after the step, on the parameters), in
+        # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
+        self.meter.sent("reduce_scatter", g)
+        return reduce_scatter(g[unit.mine], g, async_op=True), g[unit.mine]
+
+    def _land(self, unit, mine):
+        # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer its own
+        # local values, which that sum counts: zero them, so a later backward adds only new
+        # ones. Keep the sum: the next reduce-scatter adds to it, _reduce_grads divides by N.
+        unit.grad_shard.copy_(mine)
+        unit.grad[:unit.mine.start].zero_()
+        unit.grad[unit.mine.stop:].zero_()
+
+    def _reduce_grads(self):
+        if not self._reduced:
+            super()._reduce_grads()
+            for unit in self.units:  # unit.divide == "step": the sum over ranks / N, the mean
+                unit.grad_shard.div_(self.world)
+
+    def _sum_of_squares(self):
+        # Each rank holds 1/N of the gradient: add up the squares of all shards first.
+        squares = super()._sum_of_squares()
+        dist.all_reduce(squares)
+        self.meter.sent("all_reduce", squares)
+        return squares
+
+    def _gather_params(self):
+        for unit in self.units:  # in place: this rank's stepped shard is a slice of flat
+            all_gather(unit.flat, unit.shard)
+            self.meter.sent("all_gather", unit.flat)
+            self.meter.event("all-gather after the step", unit)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2: shard the gradients
+
+class ZeRO2(ZeRO1):
+    """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
+    produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
+    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed. Memory
+    2Ψ + 14Ψ/N (paper); communication unchanged, but reduce-scatters run during backward.
+
+    Timing is the whole point: a "ZeRO-2" that reduce-scatters after backward has finished holds
+    every full gradient at the peak and saves nothing. Trade-off: with gradient accumulation
+    every backward call now communicates (stages 0 and 1 can defer to the last micro-batch with
+    no_sync(); here that would keep the full gradient)."""
+
+    stage = 2
+    keeps_full_grads = False  # the [N*S] buffer is freed once reduced: p.grad must not keep it
+
+    def _shard(self, unit):
+        unit.owned = unit.mine
+        unit.shard = unit.flat[unit.mine]
+        unit.grad = None                                # allocated per backward, freed when reduced
+        unit.grad_shard = torch.zeros_like(unit.shard)  # [S] accumulates over backward calls
+
+    def _on_grad(self, unit, p):
+        if unit.grad is None:
+            unit.grad = torch.zeros_like(unit.flat)  # [N*S], lives only until the unit is complete
+            self.meter.event("gradient buffer", unit)
+        super()._on_grad(unit, p)
+
+    def _reduce_in_backward(self):
+        return True  # always, overlap or not, no_sync or not: it is what frees the full gradient
+
+    def _reduce_unit(self, unit):
+        super()._reduce_unit(unit)  # the same reduce-scatter as ZeRO1, launched during backward
+        unit.grad = None  # dropped here; the reduced slice keeps the [N*S] buffer until it lands
+        self.meter.event("gradient buffer dropped", unit)  # (or it has landed, and is gone)
+
+    def _land(self, unit, mine):
+        unit.grad_shard.add_(mine)  # the sum over ranks, added up over backward calls; / N later
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 3: shard the parameters
+
+class ZeRO3(ZeRO2):
+    """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
+    the unit right before its module computes in forward and frees it right after; it is
+    gathered again right before the module's backward and freed once its gradient is
+    reduce-scattered. At any moment only the unit computing is gathered (with overlap, also the
+    next one, being prefetched), never the whole model. Memory 16Ψ/N (paper); communication
+    3Ψ (N-1)/N: the parameters are all-gathered twice per step instead of once.
+
+    The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
+    from the start of forward to the end of backward, as FSDP2 does for its root: backward would
+    need it again at once. That saves one of its all-gathers per step."""
+
+    stage = 3
+
+    def __init__(self, model, optimizer, **kwargs):
+        # No buckets: the unit is what a module gathers to compute, so it stays as the user chose.
+        super().__init__(model, optimizer, **{**kwargs, "bucket_bytes": 0})
+        # Which units each module computes with. Usually just its own; a module whose weight is
+        # tied to another unit's (an output head sharing the embedding) needs that unit too.
+        owner = {p: u for u in self.units for p in u.params}
+        needs = {model: [u for u in self.units if not u.modules]}
+        for m in self.unit_modules:
+            needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
+        self.prefetch = Prefetch(self)  # speed: gathers the next unit while this one computes
+        for module, units in needs.items():
+            if units:
+                module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
+                module.register_forward_hook(functools.partial(self._post_forward, units))
+
+    def _shard(self, unit):
+        super()._shard(unit)
+        unit.shard = unit.shard.clone()  # [S] in storage of its own: it survives the free
+        self._free(unit)
+
+    def _gather(self, unit, prefetch=False):
+        if not unit.gathered:
+            unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
+            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
+            self.meter.sent("all_gather", unit.flat)
+            self.meter.event("gather", unit)
+        if unit.prefetch is not None and not prefetch:  # needed now: wait for the prefetch
+            unit.prefetch.wait()
+            unit.prefetch = None
+
+    def _free(self, unit):
+        # Gotcha: `p.data = torch.empty(0)` would not free anything while autograd still holds
+        # the parameter for backward. Shrinking the storage itself frees the memory under every
+        # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
+        # autograd saved sees the gathered values again in backward.
+        if unit.prefetch is not None:
+            unit.prefetch.wait()
+            unit.prefetch = None
+        unit.flat.untyped_storage().resize_(0)
+        self.meter.event("free", unit)
+
+    def _pre_forward(self, units, module, args):
+        for u in units:
+            u.users += 1
+            self._gather(u)
+        self.prefetch.forward_started(units)  # and the units of the module computing next
+
+    def _post_forward(self, units, module, args, output):
+        call = self.prefetch.forward_done()  # this module's place in the order of gathers
+        training = torch.is_grad_enabled()
+        for u in units:
+            u.users -= 1
+            if u.users == 0 and not (training and not u.modules):  # keep the root for backward
+                self._free(u)
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if training and tensors:  # fires when backward reaches this module's output: gather again
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._pre_backward, units, call), mode="any")
+
+    def _pre_backward(self, units, call, grad):
+        for u in units:
+            self._gather(u)
+        self.prefetch.backward_started(call)  # and those of the module before it
+
+    def _reduce_unit(self, unit):
+        super()._reduce_unit(unit)
+        if unit.users == 0:
+            self._free(unit)  # its gradient is complete, so backward is done with its parameters
+
+    def _end_of_backward(self):
+        super()._end_of_backward()
+        for unit in self.units:  # the root, and units gathered for a backward that gave no grads
+            if unit.users == 0 and unit.gathered:
+                self._free(unit)
+
+    def _gather_params(self):
+        # Nothing to gather after the step: the next forward gathers each unit when it needs it.
+        # A unit still gathered (a forward that had no backward) now holds stale values: free it.
+        for unit in self.units:
+            if unit.users == 0 and unit.gathered:
+                self._free(unit)
+
+
+def _grad_hook(zero_ref, i, p):
+    # Gotcha: a parameter keeps its hooks in C++, where Python's garbage collector cannot see
+    # them, so a hook holding the ZeRO object (or a unit, which holds the parameters) would keep
+    # the whole model state alive for ever. The hook holds a weak reference and a unit number.
+    self = zero_ref()
+    if self is not None:
+        self._on_grad(self.units[i], p)
+
+
+def _tensors(x):
+    """The tensors inside a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
+
+
+STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
+
+
+def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
+         bucket_bytes=0):
+    """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
+    default process group and return the optimizer to train it with.
+
+    optimizer: builds a torch optimizer from a list of tensors, e.g.
+    partial(torch.optim.AdamW, lr=1e-3); the torch optimizer itself is `.optimizer` (attach LR
+    schedulers to that). units: the modules communicated as one (stage 3 gathers them one by
+    one); default_units(model). param_dtype: e.g. torch.bfloat16 for mixed precision;
+    reduce_dtype: of the gradient reductions (default float32 in mixed precision). overlap:
+    reduce during backward, prefetch in stage 3. bucket_bytes: stages 0-2 cut the parameters into
+    buckets of this many bytes, from the last backwards, merging small units and splitting large
+    ones at parameter boundaries (0: every unit is its own bucket); stage 3 ignores it."""
+    if stage not in range(len(STAGES)):
+        raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
+    if not dist.is_initialized():
+        setup()
+    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes)
+
+
+# =================================== PART II: THE ENGINEERING =================================
+# Each section below serves Part I through the calls named there. Python resolves names when a
+# call runs, so a class above may use a function defined here.
+
+# ----------------------------------------------------------------------------------------------
+# Units: which modules, by default, and the parameters each one holds
 
 def default_units(module):
     """Every child that has trainable parameters; containers (ModuleList, ModuleDict) are opened,
-    so the blocks of a transformer's ModuleList each become a unit. Parameters of the model that no
-    unit holds (an embedding, a final norm) form the root unit."""
+    so the blocks of a transformer's ModuleList each become a unit. Parameters of the model that
+    no unit holds (an embedding, a final norm) form the root unit."""
     units = []
     for child in module.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
@@ -218,67 +599,192 @@ def default_units(module):
     return units
 
 
-# Elements: the largest tensor the optimizer is handed (see DataParallel.__init__). On CPU, 4 MB
-# (fp32) pieces keep most of what Adam passes over again and again (weights, gradient, m, v, two
-# temporaries) in the caches; on a GPU the optimizer's kernels stream, and few large pieces
-# mean fewer launches.
-PIECE = {"cpu": 1 << 20, "cuda": 1 << 22}
+def make_units(zero, model, modules):
+    """The units of `model`: each trainable parameter goes to the first of `modules` (default:
+    default_units(model)) that holds it, what none holds to the root unit; then buckets, if
+    zero.bucket_bytes asks for them."""
+    modules = default_units(model) if modules is None else list(modules)
+    inside = {id(m) for m in model.modules() if m is not model}
+    if any(id(m) not in inside for m in modules):
+        raise ValueError("zero: every unit must be a submodule of the model (not the model itself)")
+    modules = list(dict.fromkeys(modules))
+    zero.unit_modules = modules  # a module holding only tied weights of other units stays listed
+    seen, groups = set(), []
+    for module in modules + [None]:
+        params = [p for p in (module or model).parameters() if p.requires_grad and p not in seen]
+        seen.update(params)
+        if params:
+            groups.append(([module] if module else [], params))
+    if not groups:
+        raise ValueError("zero: the model has no trainable parameters")
+    if zero.bucket_bytes:  # several units in one, or one in several
+        groups = buckets(groups, zero.bucket_bytes)
+    for _, params in groups:  # one flat buffer holds one dtype on one device
+        if any((p.dtype, p.device) != (params[0].dtype, params[0].device) for p in params):
+            raise ValueError("zero: the parameters of one unit must share dtype and device")
+    return [Unit(mods, params, zero.rank, zero.world) for mods, params in groups]
 
 
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _all_ranks(row, device, dtype=torch.int64):
-    """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather.
-    (all_gather_object would do it for any object, but needs numpy, which torch does not install.)"""
-    mine = torch.tensor(row, dtype=dtype, device=device)
-    every = torch.empty(dist.get_world_size() * len(row), dtype=dtype, device=device)
-    dist.all_gather_into_tensor(every, mine)
-    return every.view(dist.get_world_size(), len(row)).tolist()
-
-
-def _wide(t):
-    """t in float32, or kept in float64: the precision masters are saved and returned in."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _nbytes(tensors):
-    """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
-    is not counted twice and a freed buffer (storage resized to 0) counts 0."""
-    storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
-    return sum(n for ptr, n in storages.items() if ptr)
+def replicated(model):
+    """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    return frozen + list(model.named_buffers())
 
 
 # ----------------------------------------------------------------------------------------------
-# The two collectives ZeRO is made of
+# Speed 1, overlap: communicate while autograd computes (overlap=False, --no-overlap: wait for
+# each collective where it is issued, no prefetch). With async_op=True a collective runs on the
+# backend's own thread while backward goes on computing the next unit's gradients.
 
-# Every stage below is built from reduce-scatter and all-gather (an all-reduce is one then the
-# other). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, in N-1 steps, with no
-# extra memory. gloo's reduce_scatter_tensor and all_gather_into_tensor are slow on CPU (measured
-# on 4 ranks, 50 MB: 114 and 75 ms, against 65 ms for its whole all-reduce; fsdp_demo.py --bench
-# prints it), so on gloo with CPU tensors these two functions do the same another way, sending
-# the same (N-1)/N per rank:
+class InFlight:
+    """The reductions launched during backward whose results are not used yet, oldest first."""
+
+    def __init__(self, zero):
+        self.zero, self.queue, self._limit = zero, [], None
+
+    def limit(self):
+        # Stage 0's all-reduces work in place, with no memory of their own, so as DDP it leaves
+        # them all in flight, unless each reduces a copy in reduce_dtype (mixed precision: all in
+        # flight at once would add up to a second, fp32 gradient). From stage 1 on, as FSDP2, one
+        # at a time (stage 2 holds a full-unit buffer for each, gloo's all-to-all a receive
+        # buffer): launching the next waits for the last.
+        if self._limit is None:
+            copies = any(reduces_a_copy(self.zero, u) for u in self.zero.units)
+            self._limit = 1 if self.zero.stage > 0 or copies else len(self.zero.units)
+        return self._limit
+
+    def launch(self, unit, work, result):
+        self.queue.append((work, unit, result))
+        self.zero.meter.event("reduction launched", unit)  # with what it holds in flight
+        self.land(wait=not self.zero.overlap)
+
+    def land(self, wait=True):
+        # Oldest first, the same order as without overlap, so the sums are the same.
+        while self.queue and (wait or len(self.queue) > self.limit()
+                              or self.queue[0][0].is_completed()):
+            work, unit, result = self.queue.pop(0)
+            work.wait()
+            self.zero._land(unit, result)
+            self.zero.meter.event("reduction landed", unit)  # the buffers it used are let go
+
+
+class Prefetch:
+    """Stage 3's overlap: while a module computes, gather the units of the module that computes
+    next (the next one in forward, the one before in backward). The order is the one the first
+    forward gathered in; it serves every later step. Costs one more unit of memory."""
+
+    def __init__(self, zero):
+        self.zero, self.order, self.calls, self.open = zero, None, [], []
+        zero.model.register_forward_pre_hook(self._start_forward)
+
+    def _start_forward(self, model, args):
+        if self.order is None and self.calls:
+            self.order = self.calls  # the first forward's order
+        self.calls = []
+
+    def forward_started(self, units):
+        call = len(self.calls)  # this module's place in the order of gathers
+        self.calls.append(units)
+        self.open.append(call)
+        self._gather(call + 1)
+
+    def forward_done(self):
+        return self.open.pop()
+
+    def backward_started(self, call):
+        self._gather(call - 1)
+
+    def _gather(self, call):
+        if self.zero.overlap and self.order and 0 <= call < len(self.order):
+            for u in self.order[call]:
+                self.zero._gather(u, prefetch=True)
+
+
+def divides_while_copying(zero, unit):
+    # Speed 2, as DDP: if the buffer holds nothing yet (zero_grad() ran) and is all-reduced in
+    # this backward, divide by N while copying gradients in (the torch.mul in _on_grad). The
+    # all-reduce then sums means, and the separate pass of / N after it, a whole pass over the
+    # gradient, is saved. (Sum of x/N or sum / N: the same bits when N is a power of two, else
+    # within rounding.) Not for a reduction of a copy in reduce_dtype: that divides as it lands.
+    return unit.cleared and zero._reduce_in_backward() and not reduces_a_copy(zero, unit)
+
+
+def buckets(groups, bucket_bytes):
+    # Speed 3, buckets (bucket_bytes, --bucket-mb): a collective has a fixed cost (latency, a
+    # launch, a sync with the slowest rank) on top of its bytes, so many small units are slow to
+    # reduce one by one, and one huge unit is reduced only once backward is done with all of it.
+    # With bucket_bytes, stages 0-2 cut the parameters into buckets of their own, as DDP's 25 MB
+    # buckets: walking them in reverse (the order backward produces gradients in, roughly), a
+    # bucket is closed as soon as it holds bucket_bytes. Small units are merged, large ones split
+    # at parameter boundaries, and what is left over is the bucket of the model's first
+    # parameters, the last one backward completes: the reduction nothing overlaps is the
+    # smallest. A bucket also ends where the dtype or device changes (one flat buffer holds
+    # one). The price: a bucket is reduced only when its last gradient has arrived, and stage 2
+    # holds a whole bucket's full gradient while it is reduced.
+    params = [p for _, ps in groups for p in ps]
+    out, open_, held = [], [], 0
+    for p in reversed(params):
+        if open_ and (p.dtype, p.device) != (open_[-1].dtype, open_[-1].device):
+            out.append(open_[::-1])
+            open_, held = [], 0
+        open_.append(p)
+        held += p.numel() * p.element_size()
+        if held >= bucket_bytes:
+            out.append(open_[::-1])
+            open_, held = [], 0
+    if open_:
+        out.append(open_[::-1])
+    return [([], b) for b in reversed(out)]  # in model order, as units are
+
+
+# Speed 4, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
+# 4 MB (fp32) pieces keep most of what Adam passes over again and again (weights, gradient, m,
+# v, two temporaries) in the caches; on a GPU the optimizer's kernels stream, and few large
+# pieces mean fewer launches.
+PIECE = {"cpu": 1 << 20, "cuda": 1 << 22}
+
+
+def optimizer_pieces(zero):
+    """The tensors the optimizer steps: each unit's master cut into pieces of at most PIECE
+    elements (views, no copy). Exact all the same (element-wise optimizers), and it bounds the
+    temporaries torch's optimizers allocate per tensor (Adam's sqrt(v) + eps, ...) to one
+    piece: one [S] temporary of a 50M-parameter shard would be 200 MB of transient memory.
+    Each piece costs Adam a step counter of its own."""
+    device = zero.units[0].flat.device
+    zero.piece = PIECE.get(device.type, PIECE["cuda"])
+    for u in zero.units:
+        u.pieces = u.master.split(zero.piece)
+        if not zero.mixed_precision:  # the gradient of each piece: a view of the gradient shard
+            for piece, g in zip(u.pieces, u.grad_shard.split(zero.piece)):
+                piece.grad = g
+    return [piece for u in zero.units for piece in u.pieces]
+
+
+# Speed 5, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
+# all_gather_into_tensor are slow on CPU, slower than its own all-reduce, which does both halves
+# (fsdp_demo.py --bench times all three, and the README's benchmark shows them). So on gloo with
+# CPU tensors zero.py does the same another way, sending the same (N-1)/N per rank:
 #   reduce-scatter = one all_to_all (slice j of every rank goes to rank j) + a local sum of the N
 #                    slices received; above A2A_BYTES, N reduces in place (rank j the root of
 #                    slice j), which need no receive buffer and are faster there,
 #   all-gather     = N broadcasts, in place (rank j sends its shard to everyone).
-# Measured, 4 ranks: reduce-scatter of 1 MB 1.5 ms (gloo's own 3.9), of 50 MB 59 ms (114); all-gather
-# of 50 MB 24 ms (75). N reduces cost ~8 ms even when tiny, hence the all-to-all below A2A_BYTES.
-# Trade-off: the all-to-all's receive buffer (up to A2A_BYTES, counted as gradient memory while
-# it is in flight). DIRECT = False, another backend, or CUDA tensors (where these paths were not
-# measured) use the native calls.
+# A reduce has a fixed cost even when tiny, hence the all-to-all below A2A_BYTES. Trade-off: the
+# all-to-all's receive buffer (up to A2A_BYTES, counted as gradient memory while in flight).
+# DIRECT = False, another backend, or CUDA tensors use the native calls.
 DIRECT = True
 A2A_BYTES = 16 << 20
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
+# old names. The old names are the ones every torch >= 2.6 has (and every tutorial uses), so we
+# keep them and silence just that warning.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|"
+                                          r"reduce_scatter_tensor)` is deprecated")
+
 
 class _Pending:
-    """What an async reduce_scatter/all_gather returns: a handle like torch's Work, waiting for all
-    the calls it is made of and then finishing on this rank (the local sum, or a copy)."""
+    """What an async reduce_scatter/all_gather returns: a handle like torch's Work, waiting for
+    all the calls it is made of and then finishing on this rank (the local sum, or a copy)."""
 
     def __init__(self, works, finish=None, buffers=()):
         self.works, self.finish, self.buffers = works, finish, buffers
@@ -294,820 +800,464 @@ class _Pending:
         self.works, self.finish, self.buffers = [], None, ()
 
 
-def _direct(x):
+def _gloo_cpu(x):
     return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
 
 
-def reduce_scatter(out, x, async_op=False):
-    """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
-    Only out is defined afterwards: the rest of x may have changed."""
-    if not _direct(x):
-        return dist.reduce_scatter_tensor(out, x, async_op=async_op)
+def _gloo_reduce_scatter(out, x, async_op):
     S, rank, world = out.numel(), dist.get_rank(), dist.get_world_size()
     if x.numel() * x.element_size() <= A2A_BYTES:
         received = torch.empty_like(x)  # row j: rank j's slice for this rank
         work = dist.all_to_all_single(received, x, async_op=True)
-        pending = _Pending([work], lambda: torch.sum(received.view(world, S), 0, out=out), [received])
+        finish = lambda: torch.sum(received.view(world, S), 0, out=out)  # noqa: E731
+        pending = _Pending([work], finish, [received])
     else:
         works = [dist.reduce(x[j * S:(j + 1) * S], dst=j, async_op=True) for j in range(world)]
         mine = x[rank * S:(rank + 1) * S]  # the sum lands here
-        pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else lambda: out.copy_(mine))
+        pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else
+                           lambda: out.copy_(mine))
     return pending if async_op else pending.wait()
 
 
-def all_gather(out, shard, async_op=False):
-    """out [N*S] = every rank's shard [S], in rank order. shard may be this rank's slice of out."""
-    if not _direct(out):
-        return dist.all_gather_into_tensor(out, shard, async_op=async_op)
+def _gloo_all_gather(out, shard, async_op):
     S, rank = shard.numel(), dist.get_rank()
     if shard.data_ptr() != out[rank * S:].data_ptr():
         out[rank * S:(rank + 1) * S].copy_(shard)
-    works = [dist.broadcast(out[j * S:(j + 1) * S], src=j, async_op=True) for j in range(dist.get_world_size())]
+    works = [dist.broadcast(out[j * S:(j + 1) * S], src=j, async_op=True)
+             for j in range(dist.get_world_size())]
     pending = _Pending(works)
     return pending if async_op else pending.wait()
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage 0: data parallelism, the baseline every stage is measured against
-
-class DataParallel:
-    """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
-    averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
-
-    This is DDP's job, done DDP's way: as soon as backward has produced the last gradient of a unit
-    (a bucket), its all-reduce is launched asynchronously and backward goes on computing the next
-    units' gradients meanwhile; step() waits for what is still in flight. With overlap=False
-    everything is reduced in step() instead. Gradient accumulation: backward calls inside
-    `with optimizer.no_sync():` only add up local gradients (as DDP's no_sync), so the
-    reduction happens once per step, in the last micro-batch."""
-
-    stage = 0
-    _grad_views = True   # p.grad stays a view into the unit's gradient buffer (see _on_grad)
-    _end_queued = False  # is _end_of_backward already queued for the backward now running?
-    _sync = True         # False inside no_sync(): backward only adds up local gradients
-    _max_in_flight = 1 << 30  # reductions launched in backward that may be in flight at once
-    _prescale = True     # gradients are divided by N as they are copied in (see _on_grad)
-
-    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-                 bucket_bytes=0):
-        self.model = model
-        self.overlap = overlap  # communicate while autograd computes (reductions, stage 3's gathers)
-        self.bucket_bytes = bucket_bytes  # stages 0-2: buckets this big instead of units (see _buckets)
-        self._in_flight = []    # reductions launched during backward, their results not yet used
-        # Mixed precision (the paper's accounting): compute, gradients and all-gathers in
-        # param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over N ranks in
-        # bf16 loses bits), and an fp32 master copy of this rank's shard for the optimizer, which
-        # makes K = 4 + 8 = 12 bytes for Adam. None: everything stays in the model's dtype.
-        self.reduce_dtype = reduce_dtype or (torch.float32 if param_dtype is not None else None)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.comm = Counter()  # bytes this rank has sent, per collective kind (ring cost, see _sent)
-        self.peak = Counter()  # largest memory_breakdown() value seen, per kind
-        self._now, self._held = Counter(), {}  # the same now, in all and per unit (see _track_peak)
-        self.units = self._make_units(model, default_units(model) if units is None else list(units))
-        self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable parameters
-        self._check_ranks_agree()
-        # Ranks may have built their models with different seeds: start from rank 0's weights.
-        # Frozen parameters and buffers too; they are not sharded, every rank keeps them whole.
-        # (One-off set-up traffic, not counted in the per-step numbers.)
-        for t in [u.flat for u in self.units] + [t for _, t in self._replicated()]:
-            dist.broadcast(t.data, src=0)
-        if param_dtype is not None:
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(param_dtype)  # frozen weights compute in param_dtype too
-            for m in [model] + self.unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
-                m.register_forward_pre_hook(functools.partial(_cast_inputs, param_dtype))
-        for i, unit in enumerate(self.units):
-            full32 = unit.flat
-            if param_dtype is not None:
-                unit.cast(param_dtype)
-            self._shard(unit)
-            if param_dtype is not None:  # [S] fp32, or the whole [N*S] in stage 0
-                unit.master = full32[self._owned(unit)].clone()
-            for p in unit.params:  # runs once p.grad holds this backward's gradient for p
-                p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, weakref.ref(self), i))
-        if any(map(self._reduces_a_copy, self.units)):
-            self._max_in_flight = 1  # each reduction in flight holds a copy in reduce_dtype of its own
-        # The optimizer only ever sees flat tensors: the whole flat buffer here, this rank's shard
-        # from stage 1 on. That is exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
-        # each element's update depends on that element's gradient and state only, so cutting the
-        # model into flat shards changes nothing. It is NOT exact for optimizers that look at a
-        # whole tensor: LAMB and LARS scale by per-tensor norms, Shampoo and Muon precondition or
-        # orthogonalize whole matrices; a shard holds slices of several tensors. They need the
-        # full tensor, or shards cut along tensor boundaries plus extra communication.
-        # (Per-parameter groups, e.g. no weight decay on biases, are not possible for the same reason.)
-        #
-        # The optimizer gets each flat tensor cut into pieces of at most PIECE elements (views, no
-        # copy). Exact all the same, and it bounds the temporaries torch's optimizers allocate per
-        # tensor (Adam's sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter
-        # shard is 200 MB of transient memory. On CPU the pieces are small enough to stay in cache
-        # while Adam makes its passes over them (measured, 50M model, stage 0 on 4 CPU ranks: the
-        # step took 315-360 ms with 16 MB pieces, 130-205 ms with 4 MB ones; 1 MB pieces were no
-        # faster, and each piece costs Adam a step counter of its own).
-        device = self.units[0].flat.device if self.units else torch.device("cpu")
-        self.piece = PIECE.get(device.type, PIECE["cuda"])
-        for u in self.units:
-            u.pieces = u.master.split(self.piece)
-            if u.master is u.shard:  # mixed precision: step() hands over an fp32 copy of the gradient
-                for piece, g in zip(u.pieces, u.grad_shard.split(self.piece)):
-                    piece.grad = g
-        self.optimizer = optimizer([piece for u in self.units for piece in u.pieces])
-        self._reduced = False
-        self._track_peak()
-
-    def _make_units(self, model, modules):
-        """Give each trainable parameter to the first unit module that holds it; the rest is root."""
-        inside = {id(m) for m in model.modules() if m is not model}
-        if any(id(m) not in inside for m in modules):
-            raise ValueError("zero: every unit must be a submodule of the model (not the model itself)")
-        modules = list(dict.fromkeys(modules))
-        self.unit_modules = modules  # a module holding only tied weights of other units stays listed
-        seen, groups = set(), []
-        for module in modules + [None]:
-            params = [p for p in (module or model).parameters() if p.requires_grad and p not in seen]
-            seen.update(params)
-            if params:
-                groups.append(([module] if module else [], params))
-        if not groups:
-            raise ValueError("zero: the model has no trainable parameters")
-        return [Unit(mods, params, self.rank, self.world) for mods, params in self._buckets(groups)]
-
-    def _buckets(self, groups):
-        # Bucketing: a collective has a fixed cost (latency, a launch, a sync with the slowest rank)
-        # on top of its bytes, so many small units are slow to reduce one by one, and one huge unit
-        # is reduced only once backward is done with all of it. With bucket_bytes, stages 0-2 cut
-        # the parameters into buckets of their own, as DDP's 25 MB buckets: walking them in
-        # reverse (the order backward produces gradients in, roughly), a bucket is closed as soon
-        # as it holds bucket_bytes. Small units are merged, large ones split at parameter
-        # boundaries, and what is left over is the bucket of the model's first parameters, the
-        # last one backward completes: the reduction nothing overlaps is the smallest. A bucket
-        # also ends where the dtype or device changes (one flat buffer holds one). The price: a
-        # bucket is reduced only when its last gradient has arrived, and stage 2 holds a whole
-        # bucket's full gradient while it is reduced.
-        if not self.bucket_bytes:
-            return groups
-        params = [p for _, ps in groups for p in ps]
-        buckets, open_, held = [], [], 0
-        for p in reversed(params):
-            if open_ and (p.dtype, p.device) != (open_[-1].dtype, open_[-1].device):
-                buckets.append(open_[::-1])
-                open_, held = [], 0
-            open_.append(p)
-            held += p.numel() * p.element_size()
-            if held >= self.bucket_bytes:
-                buckets.append(open_[::-1])
-                open_, held = [], 0
-        if open_:
-            buckets.append(open_[::-1])
-        return [([], b) for b in reversed(buckets)]  # in model order, as units are
-
-    def _check_ranks_agree(self):
-        # Fail fast. Ranks that built another model or chose another stage would hang in the next
-        # collective (its sizes differ) until the timeout, or exchange garbage. So the first
-        # collective is a small one every rank can make: stage, Ψ and a hash of the layout.
-        layout = {k: v for k, v in self.layout().items() if k != "world_size"}
-        digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).digest()[:8]
-        rows = _all_ranks([self.stage, self.psi, int.from_bytes(digest, "little", signed=True)], self.units[0].flat.device)
-        for r, (stage, psi, digest) in enumerate(rows):
-            if (stage, psi, digest) != tuple(rows[0]):
-                raise ValueError(f"zero: ranks disagree: rank 0 has stage {rows[0][0]}, Ψ = {rows[0][1]:,}, "
-                                 f"layout hash {rows[0][2] & (2**64 - 1):016x}; rank {r} has stage {stage}, "
-                                 f"Ψ = {psi:,}, layout hash {digest & (2**64 - 1):016x}")
-
-    def _shard(self, unit):
-        # Stage 0 shards nothing: the "shard" this rank steps is the whole flat buffer, and the
-        # full gradient lives as long as the model (4Ψ bytes in fp32).
-        unit.shard = unit.master = unit.flat
-        unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
-
-    def _owned(self, unit):
-        return slice(None)  # the elements of a unit this rank steps: all of them
-
-    def _for_reduce(self, grad):
-        return grad if self.reduce_dtype is None else grad.to(self.reduce_dtype)  # no copy if equal
-
-    def _reduces_a_copy(self, unit):  # _for_reduce() copies this unit's gradient into reduce_dtype
-        return self.reduce_dtype not in (None, unit.flat.dtype)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward calls inside only add up local gradients, as DDP's no_sync(): the next backward
-        outside (or step()) reduces their sum, so k micro-batches cost one reduction, not k.
-        Stages 2 and 3 reduce-scatter in every backward regardless: that is what frees their full
-        gradients (ZeRO2)."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    def _on_grad(self, unit, p):
-        if self._reduced:  # adding local gradients to averaged ones would silently be wrong
-            raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): call zero_grad() first")
-        if not self._end_queued:  # a parameter unused in this backward never reports: catch it at the end
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_queued = True
-        # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
-        # Stages 0 and 1 keep that buffer, and leave p.grad as a view into it, as DDP's
-        # gradient_as_bucket_view: the next backward's autograd adds into it in place, no copy.
-        # Autograd hands over a new tensor instead when p.grad was None (after zero_grad: the
-        # buffer still holds last step's values) or when it accumulated out of place
-        # (create_graph=True: p.grad + new). Either way it is p's whole gradient so far: copy it
-        # (its values: a graph through the gradient does not survive the collectives).
-        view = unit.grad_view(p)
-        if unit.ready == 0:  # the unit's first gradient in this backward
-            # As DDP: if the buffer holds nothing yet (zero_grad() ran) and is all-reduced in this
-            # backward, divide by N while copying in. The all-reduce then sums means, and the
-            # separate pass of / N after it, a whole pass over the gradient, is saved. (Sum of
-            # x/N or sum / N: the same bits when N is a power of two, else within rounding.)
-            # Stage 1 divides only its shard, after the reduce-scatter: 1/N of that pass.
-            unit.scaled = unit.fresh and self._prescale and self._reduce_in_backward() and \
-                not self._reduces_a_copy(unit)
-            unit.fresh = False
-        if p.grad.data_ptr() != view.data_ptr():
-            if unit.scaled:
-                torch.mul(p.grad.detach(), 1 / self.world, out=view)
-            else:
-                view.copy_(p.grad.detach())
-        p.grad = view if self._grad_views else None
-        unit.dirty, unit.ready = True, unit.ready + 1
-        if unit.ready == len(unit.params) and self._reduce_in_backward():  # backward is done with it
-            self._reduce_unit(unit)
-
-    def _reduce_in_backward(self):
-        return self.overlap and self._sync  # stages 0 and 1 reduce in backward only to overlap
-
-    def _end_of_backward(self):
-        # Runs once when the autograd engine finishes a backward. Units that some parameter of
-        # did not receive a gradient (unused in this forward) are reduced here, in unit order, the
-        # same on every rank. (If ranks use different parameters, the collectives no longer match
-        # and the job hangs until the timeout, as in DDP without find_unused_parameters.)
-        self._end_queued = False
-        for unit in self.units:
-            if unit.dirty and self._reduce_in_backward():
-                self._reduce_unit(unit)
-            unit.ready = 0
-        self._land_reduced()  # the end of backward is where overlap waits
-
-    def _zero_missing(self, unit):
-        # Stages 0 and 1: a parameter that got no gradient since zero_grad() (unused in forward)
-        # still has last step's values in the buffer. Zero them: the flat buffer is reduced and
-        # stepped whole, so an unused parameter gets a zero gradient (not None, as in plain torch).
-        if self._grad_views:
-            for p in unit.params:
-                if p.grad is None:
-                    unit.grad_view(p).zero_()
-
-    def _reduce_unit(self, unit):
-        self._zero_missing(unit)
-        g = self._for_reduce(unit.grad)
-        work = dist.all_reduce(g, async_op=self.overlap)  # [N*S] sum over ranks
-        self._sent("all_reduce", g)
-        unit.dirty = False
-        self._in_flight.append((work, unit, g))
-        self._track_peak(unit)  # in mixed precision, with the fp32 copy being reduced
-        self._land_reduced(wait=not self.overlap)
-
-    def _land_reduced(self, wait=True):
-        # Overlap: with async_op=True the collective runs on the backend's own thread while
-        # autograd goes on computing the next unit's gradients. Stage 0's all-reduces work in
-        # place, with no memory of their own, so as DDP it leaves them all in flight (unless each
-        # reduces a copy in reduce_dtype: see __init__). From stage 1 on, as FSDP2, one at a time
-        # (stage 2 holds a full-unit buffer for each, gloo's all-to-all a receive buffer):
-        # launching the next waits for the last. They land oldest first, the same order as
-        # without overlap, so the sums are the same.
-        while self._in_flight and (wait or len(self._in_flight) > self._max_in_flight
-                                   or self._in_flight[0][0].is_completed()):
-            work, unit, reduced = self._in_flight.pop(0)
-            if work is not None:
-                work.wait()
-            self._land(unit, reduced)
-            self._track_peak(unit)  # the buffers it used are let go
-
-    def _land(self, unit, g):
-        # / N: the global-batch mean, on every rank. A later backward (accumulation without
-        # no_sync) adds local gradients to it, and reducing again is still right: every rank adds
-        # the same mean, so (N·mean + sum of new) / N = mean + the new mean. (DDP does the same.)
-        unit.grad.copy_(g if unit.scaled else g.div_(self.world))
-
-    def _sent(self, kind, full):
-        """Count what a ring algorithm makes this rank send for a collective over `full` (M bytes):
-        all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. What replaces them
-        on gloo (all_to_all or N reduces, N broadcasts: see reduce_scatter) sends the same."""
-        times = 2 if kind == "all_reduce" else 1
-        self.comm[kind] += times * (self.world - 1) * full.numel() * full.element_size() / self.world
-
-    def _reduce_grads(self):
-        # clip_grad_norm_() and step() start here: reduce what no backward has reduced (all of it
-        # with overlap=False; the micro-batches of no_sync()), and wait for what is in flight.
-        if self._reduced:
-            return
-        for unit in self.units:
-            if unit.dirty:
-                self._reduce_unit(unit)
-            else:
-                self._zero_missing(unit)  # no gradient at all this step, on any rank
-        self._land_reduced()
-        self._reduced = True
-
-    def _sum_of_squares(self):
-        # Every rank holds the whole averaged gradient: its squares are the global ones.
-        # (vector_norm in fp32, squared: no temporary as large as the gradient, unlike g.pow(2).sum())
-        return torch.stack([torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2 for u in self.units]).sum()
-
-    def clip_grad_norm_(self, max_norm):
-        """Scale gradients so that their global L2 norm is at most max_norm, as
-        torch.nn.utils.clip_grad_norm_ does on the unsharded model. Returns the norm before."""
-        self._reduce_grads()
-        norm = self._sum_of_squares().sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # eps added once, to the global norm
-        for u in self.units:
-            u.grad_shard.mul_(scale.to(u.grad_shard.dtype))
-        return norm
-
-    def step(self):
-        self._reduce_grads()
-        mixed = [u for u in self.units if u.master is not u.shard]
-        for u in mixed:  # [S] fp32 gradient, for the step only
-            for piece, g in zip(u.pieces, u.grad_shard.to(u.master.dtype).split(self.piece)):
-                piece.grad = g
-        self.optimizer.step()
-        for u in mixed:
-            u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
-            for piece in u.pieces:
-                piece.grad = None
-        self._gather_params()
-        self._track_peak()
-
-    def _gather_params(self):
-        pass  # stage 0: every rank stepped the whole model, nothing to fetch
-
-    def zero_grad(self):
-        for u in self.units:
-            if self._grad_views:
-                # Stages 0 and 1, as DDP: no pass over the buffer. The next backward's gradients
-                # overwrite it (_on_grad copies), what none overwrites is zeroed (_zero_missing).
-                for p in u.params:
-                    p.grad = None
-                u.fresh = True
-            else:
-                u.grad_shard.zero_()
-            u.dirty = False
-        self._reduced = False
-
-    def memory_breakdown(self):
-        """Bytes of model state this rank holds right now, summed over the storages really
-        allocated (a view counts once, a freed buffer counts 0). Frozen parameters and buffers are
-        not model state that ZeRO shards and are not counted."""
-        held = [self._unit_bytes(u) for u in self.units]
-        return {"params": sum(h["params"] for h in held), "grads": sum(h["grads"] for h in held),
-                "optimizer": self._optimizer_bytes()}
-
-    def _unit_bytes(self, unit):
-        # No two units share a storage, so what a rank holds is the sum of what each unit holds:
-        # its parameters and gradients, with what its reduction in flight holds.
-        flying = [t for w, u, mine in self._in_flight if u is unit for t in (mine, *getattr(w, "buffers", ()))]
-        return Counter(params=_nbytes([unit.flat, unit.shard]),
-                       grads=_nbytes([g for g in (unit.grad, unit.grad_shard) if g is not None] + flying))
-
-    def _optimizer_bytes(self):
-        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return _nbytes(state + [u.master for u in self.units if u.master is not u.shard])  # + fp32 masters
-
-    def _track_peak(self, unit=None):
-        # Called where memory changes. After the step (unit None) everything is measured. During
-        # forward and backward one unit's memory changes at a time (stage 3's gathers and frees,
-        # stage 2's buffers, reductions launched and landed): only that unit is measured again and
-        # the running total corrected, so an event costs the same with 5 units or 500. (Measured,
-        # 200 small Linear units, stage 3, one CPU rank: 160 ms per step when every unit was
-        # measured at every event, 43 ms this way, 27 ms with no tracking at all.) The optimizer
-        # state changes in step() alone.
-        for u in self.units if unit is None else [unit]:
-            old, self._held[u] = self._held.get(u, Counter()), self._unit_bytes(u)
-            self._now.update(self._held[u])
-            self._now.subtract(old)
-        if unit is None:
-            self._now["optimizer"] = self._optimizer_bytes()
-        for kind, n in self._now.items():
-            self.peak[kind] = max(self.peak[kind], n)
-
-    def full_state_dict(self):
-        """{name: full float32 tensor (float64 for a float64 parameter)} for every parameter (tied
-        ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
-        full = {}
-        for unit in self.units:  # one unit at a time: stage 3 never holds the whole model at once
-            flat = self._full_master(unit)
-            full.update({p: flat[unit.offset[p]:unit.offset[p] + p.numel()].view_as(p).clone() for p in unit.params})
-        return {n: full[p] if p in full else _wide(p.detach()).clone() for n, p in self.model.named_parameters()}
-
-    def _full_master(self, unit):
-        return _wide(unit.master)  # [N*S]: every rank steps the whole unit
-
-    # Checkpoints. A checkpoint must outlive its job's shape: it is written by N ranks at one
-    # stage and may be read by M ranks at another. So what a rank writes is stated in the
-    # coordinates of the model, not of the sharding: its 1/N of each unit's elements (stage 0
-    # too: every rank holds everything, each writes 1/N of it), fp32 master values and each
-    # per-element optimizer state (Adam's m and v), plus the names and shapes of the parameters
-    # in each unit's flat order (layout()). Reading cuts what a rank owns now out of the parts
-    # that hold it, parameter by parameter, by name. The files: save_checkpoint() below.
-
-    def _replicated(self):
-        """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
-        frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
-        return frozen + list(self.model.named_buffers())
-
-    def layout(self):
-        """The names and shapes, in flat order, of each unit's parameters, and what else a reader
-        of this rank's state_dict() needs to know. Equal on every rank."""
-        names = {p: n for n, p in self.model.named_parameters()}
-        return {"stage": self.stage, "world_size": self.world, "psi": self.psi,
-                "dtype": {"compute": str(self.units[0].flat.dtype), "master": str(_wide(self.units[0].master).dtype)},
-                "units": [[[names[p], list(p.shape)] for p in u.params] for u in self.units],
-                "replicated": {n: list(t.shape) for n, t in self._replicated()}}
-
-    def state_dict(self):
-        """This rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each unit's fp32
-        master weights and per-element optimizer state, optimizer scalars (Adam's step count) and
-        hyper-parameters; rank 0 also the frozen parameters and buffers."""
-        units, scalars = [], {}
-        for u in self.units:
-            def mine(pieces):  # [S], a new tensor: stage 0 steps all N*S elements and writes 1/N of them
-                if self._owned(u) == slice(None):  # only the pieces' parts inside u.mine: no full copy
-                    starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
-                    pieces = [t[max(u.mine.start - a, 0):max(u.mine.stop - a, 0)] for t, a in zip(pieces, starts)]
-                return _wide(torch.cat([t.detach() for t in pieces if t.numel()]))
-            states = [self.optimizer.state.get(piece, {}) for piece in u.pieces]
-            per_element = {}
-            for key, value in states[0].items():
-                if torch.is_tensor(value) and value.shape == u.pieces[0].shape:
-                    per_element[key] = mine([s[key] for s in states])
-                else:
-                    scalars[key] = value
-            units.append({"master": mine(u.pieces), "state": per_element})
-        return {"rank": self.rank, "units": units, "scalars": scalars, "optimizer": type(self.optimizer).__name__,
-                "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                "replicated": {n: t.detach().clone() for n, t in self._replicated()} if self.rank == 0 else {}}
-
-    def load_state_dict(self, parts, layout):
-        """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
-        all its ranks, in rank order, `layout` the writer's layout(). Everything is checked before
-        anything changes. Exact: each element's values are copied, not recomputed."""
-        self._check_checkpoint(parts, layout)
-        where, S = {}, []  # parameter name -> (writer's unit, offset in its flat); writer's shard sizes
-        for i, params in enumerate(layout["units"]):
-            o = 0
-            for name, shape in params:
-                where[name], o = (i, o), o + _numel(shape)
-            S.append(-(-o // len(parts)))
-
-        def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts holding them
-            out = []
-            while lo < hi:
-                q = lo // S[i]  # the rank that wrote element lo
-                end = min(hi, (q + 1) * S[i])
-                unit = parts[q]["units"][i]
-                out.append((unit["master"] if key == "master" else unit["state"][key])[lo - q * S[i]:end - q * S[i]])
-                lo = end
-            return torch.cat(out)
-
-        keys = ["master"] + list(parts[0]["units"][0]["state"])
-        scalars = parts[0]["scalars"]
-        names = {p: n for n, p in self.model.named_parameters()}
-        state = {}
-        with torch.no_grad():
-            for u in self.units:
-                owned = self._owned(u)
-                lo = owned.start or 0  # this rank's elements of the unit: [lo, lo + numel of master)
-                values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype) for k in keys}  # padding 0
-                for p in u.params:
-                    a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
-                    if a < b:  # p has elements in this rank's range: fetch them by p's name
-                        i, o = where[names[p]]
-                        for k, t in values.items():
-                            t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
-                u.master.copy_(values.pop("master"))
-                u.shard.copy_(u.master)  # the same tensor, unless mixed precision
-                if values or scalars:  # the optimizer has state (it has stepped at least once)
-                    for piece, *chunks in zip(u.pieces, *(t.split(self.piece) for t in values.values())):
-                        state[piece] = {**dict(zip(values, chunks)),
-                                        **{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()}}
-            for n, t in self._replicated():
-                t.copy_(parts[0]["replicated"][n])
-        index = {piece: i for i, piece in enumerate(p for u in self.units for p in u.pieces)}
-        groups = [{**h, "params": g["params"]} for h, g in zip(parts[0]["hyper"], self.optimizer.state_dict()["param_groups"])]
-        self.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()}, "param_groups": groups})
-        self.zero_grad()
-        self._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
-
-    def _check_checkpoint(self, parts, layout):
-        """Raise CheckpointError, naming the first problem, unless the checkpoint fits this model."""
-        mine = self.layout()
-        want = {n: s for unit in mine["units"] for n, s in unit}
-        got = {n: s for unit in layout["units"] for n, s in unit}
-        for kind, a, b in [("parameter", want, got), ("frozen parameter or buffer", mine["replicated"], layout["replicated"])]:
-            for n in list(a) + list(b):
-                if a.get(n) != b.get(n):
-                    raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
-                                          f"{b.get(n, 'absent')} there, {a.get(n, 'absent')} here")
-        if len(parts) != layout["world_size"] or [p.get("rank") for p in parts] != list(range(len(parts))):
-            raise CheckpointError(f"checkpoint has {len(parts)} rank part(s), its layout says {layout['world_size']}")
-        keys = set(parts[0]["units"][0]["state"]) if parts[0]["units"] else set()
-        for r, part in enumerate(parts):
-            for i, (unit, params) in enumerate(zip(part["units"], layout["units"])):
-                size = -(-sum(_numel(s) for _, s in params) // len(parts))
-                if set(unit["state"]) != keys or any(t.numel() != size for t in [unit["master"], *unit["state"].values()]):
-                    raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: not the {size} elements "
-                                          f"(master and state {sorted(keys)}) the layout says")
-            if len(part["units"]) != len(layout["units"]):
-                raise CheckpointError(f"checkpoint part of rank {r} has {len(part['units'])} units, the layout {len(layout['units'])}")
-        if parts[0].get("optimizer") != type(self.optimizer).__name__:
-            raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}, "
-                                  f"this run has {type(self.optimizer).__name__}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Stage 1: shard the optimizer state
-
-class ZeRO1(DataParallel):
-    """Changes vs DataParallel: each rank keeps optimizer state for its 1/N of each unit only.
-    Gradients are reduce-scattered (each rank receives the sum of its own shard only), the
-    optimizer steps that shard, and the updated shards are all-gathered back into every rank's
-    full parameters. Memory 4Ψ + 12Ψ/N (paper); communication unchanged, 2Ψ (N-1)/N.
-
-    torch.distributed.optim.ZeroRedundancyOptimizer does this job, but hands whole parameters to
-    owner ranks; here each unit is cut evenly (THEORY.md: round-robin owners balance badly)."""
-
-    stage = 1
-    _max_in_flight = 1
-    _prescale = False
-
-    def _shard(self, unit):
-        super()._shard(unit)                            # full gradient buffer, as in stage 0...
-        unit.shard = unit.master = unit.flat[unit.mine]  # ...but the optimizer sees this rank's [S]
-        unit.grad_shard = unit.grad[unit.mine]          # and its [S] of the gradient: views, no copy
-
-    def _owned(self, unit):
-        return unit.mine
-
-    def _reduce_unit(self, unit):
-        # In place: input is the full [N*S] gradient, output is this rank's [S] slice of it.
-        # Half the all-reduce: the other half, the all-gather, comes after the step, on params.
-        self._zero_missing(unit)
-        g = self._for_reduce(unit.grad)
-        mine = g[unit.mine]
-        work = reduce_scatter(mine, g, async_op=True)  # waited for at once below without overlap
-        self._sent("reduce_scatter", g)
-        unit.dirty = False
-        self._in_flight.append((work, unit, mine))
-        self._track_peak(unit)  # with the all-to-all's receive buffer, if any
-        self._land_reduced(wait=not self.overlap)
-
-    def _land(self, unit, mine):
-        # This rank's [S] now holds the sum over ranks of its slice. The rest of the buffer still
-        # holds this rank's local values, which that sum counts already: zero them, so that a
-        # later backward adds only new gradients. Keep the sum, not the mean: the next
-        # reduce-scatter then adds the new sums to it, and _reduce_grads divides once, at the end.
-        unit.grad_shard.copy_(mine)
-        unit.grad[:unit.mine.start].zero_()
-        unit.grad[unit.mine.stop:].zero_()
-
-    def _reduce_grads(self):
-        if not self._reduced:
-            super()._reduce_grads()
-            for unit in self.units:
-                unit.grad_shard.div_(self.world)  # the sum over ranks / N: the global-batch mean
-
-    def _sum_of_squares(self):
-        # Each rank holds 1/N of the gradient: add up the squares of all shards first.
-        squares = super()._sum_of_squares()
-        dist.all_reduce(squares)
-        self._sent("all_reduce", squares)
-        return squares
-
-    def _gather_params(self):
-        for unit in self.units:
-            # In place: each rank contributes its freshly stepped shard, which is already a slice
-            # of flat, and receives everyone else's.
-            all_gather(unit.flat, unit.shard)
-            self._sent("all_gather", unit.flat)
-
-    def _full_master(self, unit):
-        if unit.master is unit.shard:  # fp32: the flat buffer already holds every rank's stepped shard
-            return _wide(unit.flat)
-        return self._gather_master(unit)
-
-    def _gather_master(self, unit):
-        full = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
-        all_gather(full, unit.master)  # [N*S] <- every rank's [S]
-        self._sent("all_gather", full)
-        return _wide(full)
-
-
-# ----------------------------------------------------------------------------------------------
-# Stage 2: shard the gradients
-
-class ZeRO2(ZeRO1):
-    """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
-    produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds its
-    [S] into a persistent gradient shard, and the full [N*S] buffer is freed. Memory
-    2Ψ + 14Ψ/N (paper); communication unchanged, but reduce-scatters run during backward.
-
-    Timing is the whole point (THEORY.md): a "ZeRO-2" that reduce-scatters after backward has
-    finished holds every full gradient at the peak and saves nothing. Trade-off: with gradient
-    accumulation every backward call now communicates (stages 0 and 1 can defer to the last
-    micro-batch with no_sync(); here that would keep the full gradient)."""
-
-    stage = 2
-    _grad_views = False  # the buffer is freed once reduced: p.grad must not keep it alive
-
-    def _shard(self, unit):
-        unit.shard = unit.master = unit.flat[unit.mine]
-        unit.grad = None                                # allocated per backward, freed when reduced
-        unit.grad_shard = torch.zeros_like(unit.shard)  # [S] accumulates over backward calls
-
-    def _on_grad(self, unit, p):
-        if unit.grad is None:
-            unit.grad = torch.zeros_like(unit.flat)     # [N*S], lives only until the unit is complete
-            self._track_peak(unit)
-        super()._on_grad(unit, p)
-
-    def _reduce_in_backward(self):
-        return True  # always, overlap or not, no_sync or not: it is what frees the full gradient
-
-    def _reduce_unit(self, unit):
-        super()._reduce_unit(unit)  # the same reduce-scatter as ZeRO1, launched during backward
-        unit.grad = None  # dropped here; the reduced slice keeps the [N*S] buffer until it lands
-        self._track_peak(unit)  # (or it has landed already, and the buffer is gone)
-
-    def _land(self, unit, mine):
-        unit.grad_shard.add_(mine)  # the sum over ranks, added up over backward calls; / N at the end
-
-
-# ----------------------------------------------------------------------------------------------
-# Stage 3: shard the parameters
-
-class ZeRO3(ZeRO2):
-    """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
-    the unit right before its module computes in forward and frees it right after; it is gathered
-    again right before the module's backward and freed once its gradient is reduce-scattered.
-    At any moment only the unit computing is gathered (with overlap, also the next one, being
-    prefetched), never the whole model. Memory 16Ψ/N (paper); communication
-    3Ψ (N-1)/N: the parameters are all-gathered twice per step instead of once.
-
-    The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
-    from the start of forward to the end of backward, as FSDP2 does for its root: backward would
-    need it again at once. That saves one of its all-gathers per step."""
-
-    stage = 3
-
-    def __init__(self, model, *args, **kwargs):
-        super().__init__(model, *args, **kwargs)
-        # Which units each module computes with. Usually just its own; a module whose weight is
-        # tied to another unit's (an output head sharing the embedding) needs that unit too.
-        owner = {p: u for u in self.units for p in u.params}
-        needs = {model: [u for u in self.units if not u.modules]}
-        for m in self.unit_modules:
-            needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
-        # Prefetch: the order in which modules gather their units, recorded in the first forward.
-        self._order, self._calls, self._open = None, [], []
-        model.register_forward_pre_hook(self._start_forward)
-        for module, units in needs.items():
-            if units:
-                module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
-                module.register_forward_hook(functools.partial(self._post_forward, units))
-
-    def _buckets(self, groups):
-        return groups  # the unit is what a module gathers to compute: no merging in stage 3
-
-    def _shard(self, unit):
-        super()._shard(unit)
-        unit.shard = unit.master = unit.shard.clone()  # [S] in storage of its own: survives the free
-        self._free(unit)
-
-    def _gather(self, unit, prefetch=False):
-        if unit.flat.untyped_storage().nbytes() == 0:
-            unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            unit.work = all_gather(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
-            self._sent("all_gather", unit.flat)
-            self._track_peak(unit)
-        if unit.work is not None and not prefetch:  # needed now: wait for the prefetch to land
-            unit.work.wait()
-            unit.work = None
-
-    def _prefetch(self, call):
-        # Overlap: start gathering the units of the module that computes next (call + 1 in
-        # forward, call - 1 in backward) while this one computes. Costs one more unit of memory.
-        if self.overlap and self._order and 0 <= call < len(self._order):
-            for u in self._order[call]:
-                self._gather(u, prefetch=True)
-
-    def _start_forward(self, model, args):
-        if self._order is None and self._calls:
-            self._order = self._calls  # the first forward's order serves every later step
-        self._calls = []
-
-    def _free(self, unit):
-        # Gotcha: `p.data = torch.empty(0)` would not free anything while autograd still holds
-        # the parameter for backward. Shrinking the storage itself frees the memory under every
-        # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
-        # autograd saved sees the gathered values again in backward.
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
-        unit.flat.untyped_storage().resize_(0)
-        self._track_peak(unit)
-
-    def _pre_forward(self, units, module, args):
-        call = len(self._calls)  # this module's place in the order of gathers
-        self._calls.append(units)
-        self._open.append(call)
-        for u in units:
-            u.users += 1
-            self._gather(u)
-        self._prefetch(call + 1)
-
-    def _post_forward(self, units, module, args, output):
-        call = self._open.pop()
-        training = torch.is_grad_enabled()
-        for u in units:
-            u.users -= 1
-            if u.users == 0 and not (training and not u.modules):  # keep the root for backward
-                self._free(u)
-        tensors = [t for t in _tensors(output) if t.requires_grad]
-        if training and tensors:  # fires when backward reaches this module's output: gather again
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, units, call), mode="any")
-
-    def _pre_backward(self, units, call, grad):
-        for u in units:
-            self._gather(u)
-        self._prefetch(call - 1)
-
-    def _reduce_unit(self, unit):
-        super()._reduce_unit(unit)
-        if unit.users == 0:
-            self._free(unit)  # its gradient is complete, so backward is done with its parameters
-
-    def _end_of_backward(self):
-        super()._end_of_backward()
-        for unit in self.units:  # the root, and units gathered for a backward that gave no grads
-            if unit.users == 0:
-                self._free(unit)
-
-    def _full_master(self, unit):
-        return self._gather_master(unit)  # parameters are sharded between steps: gather the masters
-
-    def _gather_params(self):
-        # Nothing to gather after the step: the next forward gathers each unit when it needs it.
-        # A unit still gathered (a forward that had no backward) now holds stale values: free it.
-        for unit in self.units:
-            if unit.users == 0:
-                self._free(unit)
-
-
-def _grad_hook(zero_ref, i, p):
-    # Gotcha: a parameter keeps its hooks in C++, where Python's garbage collector cannot see
-    # them, so a hook holding the ZeRO object (or a unit, which holds the parameters) would keep
-    # the whole model state alive for ever. The hook holds a weak reference and a unit number.
-    self = zero_ref()
-    if self is not None:
-        self._on_grad(self.units[i], p)
+# Mixed precision (param_dtype, --bf16), the paper's accounting: compute, gradients and
+# all-gathers in param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over
+# N ranks in bf16 loses bits), and an fp32 master copy of this rank's shard for the optimizer,
+# which makes K = 4 + 8 = 12 bytes for Adam. None: everything stays in the model's dtype.
+
+def cast(unit, dtype):
+    """The modules compute with a copy of the unit in `dtype` (None: no copy). Returns the flat
+    buffer as it was, which the fp32 masters are cut from."""
+    full = unit.flat
+    if dtype is not None:
+        unit.flat = unit.flat.to(dtype)
+        for p in unit.params:
+            p.data = unit.view(unit.flat, p)
+    return full
+
+
+def cast_frozen_and_inputs(model, unit_modules, dtype):
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)  # frozen weights compute in param_dtype too
+    for m in [model] + unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
+        m.register_forward_pre_hook(functools.partial(_cast_inputs, dtype))
 
 
 def _cast_inputs(dtype, module, args):
     return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
-def _tensors(x):
-    """The tensors inside a module's output (a tensor, or tuples, lists and dicts of them)."""
-    if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
+def for_reduction(zero, grad):
+    """The gradient as it is reduced: in reduce_dtype, a copy if that differs."""
+    return grad if zero.reduce_dtype is None else grad.to(zero.reduce_dtype)  # no copy if equal
 
 
-STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
+def reduces_a_copy(zero, unit):  # for_reduction() copies this unit's gradient into reduce_dtype
+    return zero.reduce_dtype not in (None, unit.flat.dtype)
 
 
-def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True, bucket_bytes=0):
-    """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
-    default process group and return the optimizer to train it with.
+@contextlib.contextmanager
+def fp32_step(zero):
+    """Around optimizer.step(): in mixed precision, hand it an fp32 copy of each gradient shard
+    (for the step only), and round the updated fp32 masters into the param_dtype shards after."""
+    mixed = zero.units if zero.mixed_precision else []
+    for u in mixed:  # [S] fp32 gradient, for the step only
+        for piece, g in zip(u.pieces, u.grad_shard.to(u.master.dtype).split(zero.piece)):
+            piece.grad = g
+    yield
+    for u in mixed:
+        u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
+        for piece in u.pieces:
+            piece.grad = None
 
-    optimizer: builds a torch optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3);
-    the torch optimizer itself is `.optimizer` (attach LR schedulers to that).
-    units: the modules communicated as one (stage 3 gathers them one by one); default_units(model).
-    param_dtype: e.g. torch.bfloat16 for mixed precision; reduce_dtype: of the gradient reductions
-    (default float32 in mixed precision). overlap: reduce during backward, prefetch in stage 3.
-    bucket_bytes: stages 0-2 cut the parameters into buckets of this many bytes, from the last
-    backwards, merging small units and splitting large ones at parameter boundaries (0: every
-    unit is its own bucket); stage 3 gathers unit by unit and ignores it."""
-    if stage not in range(len(STAGES)):
-        raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
-    if not dist.is_initialized():
-        setup()
-    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                         overlap=overlap, bucket_bytes=bucket_bytes)
+
+# ----------------------------------------------------------------------------------------------
+# Measurement: the bytes each rank holds, at every change, and the bytes it sends, per call
+
+def _nbytes(tensors):
+    """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
+    is not counted twice and a freed buffer (storage resized to 0) counts 0."""
+    storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
+    return sum(n for ptr, n in storages.items() if ptr)
+
+
+class Meter:
+    """zero.comm: bytes sent per collective kind; zero.peak: the most model-state bytes held at
+    any moment, per kind. Part I calls sent() at every collective and event() wherever memory
+    changes: a gather, a free, a reduction launched or landed, a gradient buffer made or
+    dropped, the optimizer step."""
+
+    def __init__(self, zero):
+        self.zero, self.now, self.held = zero, Counter(), {}
+        zero.comm, zero.peak = Counter(), Counter()
+
+    def sent(self, kind, full):
+        """Count what a ring algorithm makes this rank send for a collective over `full` (M
+        bytes): all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. What
+        replaces them on gloo (all_to_all or N reduces, N broadcasts) sends the same."""
+        z = self.zero
+        times = 2 if kind == "all_reduce" else 1
+        z.comm[kind] += times * (z.world - 1) * full.numel() * full.element_size() / z.world
+
+    def breakdown(self):
+        """Bytes of model state this rank holds right now, summed over the storages really
+        allocated (a view counts once, a freed buffer counts 0). Frozen parameters and buffers
+        are not model state that ZeRO shards and are not counted."""
+        held = [self.unit_bytes(u) for u in self.zero.units]
+        return {"params": sum(h["params"] for h in held), "grads": sum(h["grads"] for h in held),
+                "optimizer": self.optimizer_bytes()}
+
+    def unit_bytes(self, unit):
+        # No two units share a storage, so what a rank holds is the sum of what each unit holds:
+        # its parameters and gradients, with what its reduction in flight holds.
+        flying = [t for w, u, mine in self.zero.in_flight.queue if u is unit
+                  for t in (mine, *getattr(w, "buffers", ()))]
+        grads = [g for g in (unit.grad, unit.grad_shard) if g is not None]
+        return Counter(params=_nbytes([unit.flat, unit.shard]), grads=_nbytes(grads + flying))
+
+    def optimizer_bytes(self):
+        z = self.zero
+        state = [v for s in z.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return _nbytes(state + ([u.master for u in z.units] if z.mixed_precision else []))
+
+    def event(self, what, unit=None):
+        # Peak tracking. At the start and after the step (unit None) everything is measured.
+        # During forward and backward one unit's memory changes at a time: only that unit is
+        # measured again and the running total corrected, so an event costs the same with 5
+        # units or 500. The optimizer state changes in step() alone.
+        for u in self.zero.units if unit is None else [unit]:
+            old, self.held[u] = self.held.get(u, Counter()), self.unit_bytes(u)
+            self.now.update(self.held[u])
+            self.now.subtract(old)
+        if unit is None:
+            self.now["optimizer"] = self.optimizer_bytes()
+        for kind, n in self.now.items():
+            self.zero.peak[kind] = max(self.zero.peak[kind], n)
+
+
+# The formulas (the paper's Figure 1 and Section 7), printed next to what is measured
+
+STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharded",
+               "ZeRO-2: optimizer state + gradients sharded",
+               "ZeRO-3: optimizer state + gradients + parameters sharded"]
+
+
+def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8):
+    """Model-state bytes per rank: stage >= 1 shards the optimizer state, >= 2 the gradients,
+    3 the parameters. Defaults: fp32 AdamW (m and v: K = 8). The paper: 2, 2, 12."""
+    return {"params": param_bytes * psi / (world if stage >= 3 else 1),
+            "grads": grad_bytes * psi / (world if stage >= 2 else 1),
+            "optimizer": optim_bytes * psi / (world if stage >= 1 else 1)}
+
+
+def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1):
+    """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k
+    micro-batches stages 0 and 1 reduce once (all but the last in no_sync()), stages 2 and 3
+    reduce-scatter in every backward, and stage 3 gathers in every forward and backward."""
+    ring, k = (world - 1) / world * psi, micro_batches
+    g, r = ring * gather_bytes, ring * reduce_bytes
+    return [{"all_reduce": 2 * r},
+            {"reduce_scatter": r, "all_gather": g},
+            {"reduce_scatter": k * r, "all_gather": g},
+            {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
+
+
+def estimate(psi, world):
+    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks."""
+    print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
+          f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks, mixed-precision Adam: "
+          f"2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n")
+    print(f"{'stage':<32} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}   "
+          f"communication per step")
+    traffic = ["2Ψ(N-1)/N", "2Ψ(N-1)/N", "2Ψ(N-1)/N", "3Ψ(N-1)/N"]
+    for stage in range(4):
+        m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12).items()}
+        elements = sum(comm_formula(stage, psi, world, 1, 1).values())
+        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<30} {m['params']:>7.2f} GB "
+              f"{m['grads']:>7.2f} GB {m['optimizer']:>7.2f} GB {sum(m.values()):>7.1f} GB   "
+              f"{traffic[stage]} = {elements:.3g} elements")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks: bad input is a clear error, ranks that disagree fail fast instead of hanging
+
+class UsageError(Exception):
+    """Bad input from the command line or the environment: printed as one line, exit code 2."""
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
+
+
+def choose_device(backend, device):
+    """setup()'s defaults: NCCL when every local rank has a GPU of its own, else gloo on CPU
+    tensors. gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several
+    ranks share one GPU; NCCL refuses that. Returns (backend, torch.device)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    if device is None:
+        device = "cuda" if backend != "gloo" and 0 < local_world <= gpus else "cpu"
+    if backend is None:
+        backend = "nccl" if device == "cuda" and local_world <= gpus else "gloo"
+    if device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda, but no CUDA GPU is visible")
+    if backend == "nccl" and (device != "cuda" or local_world > gpus):
+        raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
+                         f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
+    dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return backend, dev
+
+
+def _attempt_store(timeout):
+    """The key-value store torchrun describes (what init_process_group's env:// would use), its
+    keys prefixed by the restart attempt. Gotcha: after torchrun --max-restarts restarts a failed
+    group, the store still holds the old ranks' gloo addresses, and a new rank that reads one
+    before its new owner overwrites it waits for ever to connect to a dead process."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                          is_master=not agent and os.environ["RANK"] == "0")
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+
+
+def _all_ranks(row, device, dtype=torch.int64):
+    """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather."""
+    mine = torch.tensor(row, dtype=dtype, device=device)
+    every = torch.empty(dist.get_world_size() * len(row), dtype=dtype, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    return every.view(dist.get_world_size(), len(row)).tolist()
+
+
+def check_ranks_agree(zero):
+    # Fail fast. Ranks that built another model or chose another stage would hang in the next
+    # collective (its sizes differ) until the timeout, or exchange garbage. So the first
+    # collective is a small one every rank can make: stage, Ψ and a hash of the layout.
+    mine = {k: v for k, v in layout(zero).items() if k != "world_size"}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest()[:8]
+    row = [zero.stage, zero.psi, int.from_bytes(digest, "little", signed=True)]
+    rows = _all_ranks(row, zero.units[0].flat.device)
+    for r, (stage, psi, digest) in enumerate(rows):
+        if (stage, psi, digest) != tuple(rows[0]):
+            raise ValueError(
+                f"zero: ranks disagree: rank 0 has stage {rows[0][0]}, Ψ = {rows[0][1]:,}, "
+                f"layout hash {rows[0][2] & (2**64 - 1):016x}; rank {r} has stage {stage}, "
+                f"Ψ = {psi:,}, layout hash {digest & (2**64 - 1):016x}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints. A checkpoint must outlive its job's shape: it is written by N ranks at one stage
+# and may be read by M ranks at another. So what a rank writes is stated in the coordinates of
+# the model, not of the sharding: its 1/N of each unit's elements (stage 0 too: every rank holds
+# everything, each writes 1/N of it), fp32 master values and each per-element optimizer state
+# (Adam's m and v), plus the names and shapes of the parameters in each unit's flat order
+# (layout()). Reading cuts what a rank owns now out of the parts that hold it, parameter by
+# parameter, by name. The files: save_checkpoint() below.
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _wide(t):
+    """t in float32, or kept in float64: the precision masters are saved and returned in."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def layout(zero):
+    """The names and shapes, in flat order, of each unit's parameters, and what else a reader
+    of this rank's state_dict() needs to know. Equal on every rank."""
+    names = {p: n for n, p in zero.model.named_parameters()}
+    u0 = zero.units[0]
+    return {"stage": zero.stage, "world_size": zero.world, "psi": zero.psi,
+            "dtype": {"compute": str(u0.flat.dtype), "master": str(_wide(u0.master).dtype)},
+            "units": [[[names[p], list(p.shape)] for p in u.params] for u in zero.units],
+            "replicated": {n: list(t.shape) for n, t in replicated(zero.model)}}
+
+
+def checkpoint_part(zero):
+    """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
+    unit's fp32 master weights and per-element optimizer state, optimizer scalars (Adam's step
+    count) and hyper-parameters, the layout; rank 0 also the frozen parameters and buffers."""
+    units, scalars = [], {}
+    for u in zero.units:
+        def mine(pieces):  # [S], a new tensor: stage 0 steps all N*S elements, writes 1/N
+            if zero.stage == 0:  # only the pieces' parts inside u.mine: no full copy
+                starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
+                pieces = [t[max(u.mine.start - a, 0):max(u.mine.stop - a, 0)]
+                          for t, a in zip(pieces, starts)]
+            return _wide(torch.cat([t.detach() for t in pieces if t.numel()]))
+        states = [zero.optimizer.state.get(piece, {}) for piece in u.pieces]
+        per_element = {}
+        for key, value in states[0].items():
+            if torch.is_tensor(value) and value.shape == u.pieces[0].shape:
+                per_element[key] = mine([s[key] for s in states])
+            else:
+                scalars[key] = value
+        units.append({"master": mine(u.pieces), "state": per_element})
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
+    return {"rank": zero.rank, "units": units, "scalars": scalars, "hyper": hyper,
+            "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
+            "replicated": {n: t.detach().clone() for n, t in replicated(zero.model)}
+            if zero.rank == 0 else {}}
+
+
+def load_own_part(zero, state):
+    """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
+    Every rank calls it (stage 0 all-gathers the other ranks' parts: every rank steps all of
+    the model but wrote 1/N of it; stages 1 and 2 all-gather the parameters)."""
+    if not isinstance(state, dict) or state.get("rank") != zero.rank or \
+            state.get("layout") != layout(zero):
+        raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of this "
+                              "model at this stage and world size; for any other, use "
+                              "save_checkpoint() and load_checkpoint()")
+    parts = [state if r == zero.rank else None for r in range(zero.world)]
+    if zero.stage == 0 and zero.world > 1:
+        parts = _gather_parts(zero, state)
+    load_parts(zero, parts, state["layout"])
+    for _, t in replicated(zero.model):  # only rank 0's part holds them
+        dist.broadcast(t.data, src=0)
+
+
+def _gather_parts(zero, state):
+    """Every rank's part of a stage-0 state_dict, from each rank's own: all-gather the tensors."""
+    parts = [dict(state, rank=r, units=[], replicated=None) for r in range(zero.world)]
+    parts[0]["replicated"] = state["replicated"] if zero.rank == 0 else None
+    device = zero.units[0].flat.device
+    for unit in state["units"]:
+        gathered = {}
+        for key, t in [("master", unit["master"]), *unit["state"].items()]:
+            full = torch.empty(zero.world * t.numel(), dtype=t.dtype, device=device)
+            all_gather(full, t.to(device))
+            gathered[key] = full.cpu().view(zero.world, -1)
+        for r, part in enumerate(parts):
+            part["units"].append({"master": gathered["master"][r],
+                                  "state": {k: v[r] for k, v in gathered.items() if k != "master"}})
+    return parts
+
+
+def load_parts(zero, parts, written):
+    """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
+    all its ranks, in rank order (None for a part this rank does not need), `layout` the
+    writer's layout(). Exact: each element's values are copied, not recomputed."""
+    where, S = {}, []  # parameter name -> (writer's unit, offset in its flat); writer's shard sizes
+    for i, params in enumerate(written["units"]):
+        o = 0
+        for name, shape in params:
+            where[name], o = (i, o), o + _numel(shape)
+        S.append(-(-o // len(parts)))
+
+    def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts holding them
+        out = []
+        while lo < hi:
+            q = lo // S[i]  # the rank that wrote element lo
+            end = min(hi, (q + 1) * S[i])
+            unit = parts[q]["units"][i]
+            t = unit["master"] if key == "master" else unit["state"][key]
+            out.append(t[lo - q * S[i]:end - q * S[i]])
+            lo = end
+        return torch.cat(out)
+
+    first = next(p for p in parts if p is not None)
+    keys = ["master"] + list(first["units"][0]["state"])
+    scalars = first["scalars"]
+    names = {p: n for n, p in zero.model.named_parameters()}
+    state = {}
+    with torch.no_grad():
+        for u in zero.units:
+            lo = u.owned.start  # this rank's elements of the unit: [lo, lo + numel of master)
+            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
+                      for k in keys}  # padding 0
+            for p in u.params:
+                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
+                if a < b:  # p has elements in this rank's range: fetch them by p's name
+                    i, o = where[names[p]]
+                    for k, t in values.items():
+                        t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
+            u.master.copy_(values.pop("master"))
+            u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+            if values or scalars:  # the optimizer has state (it has stepped at least once)
+                chunks = (t.split(zero.piece) for t in values.values())
+                for piece, *chunk in zip(u.pieces, *chunks):
+                    state[piece] = {**dict(zip(values, chunk)),
+                                    **{k: v.clone() if torch.is_tensor(v) else v
+                                       for k, v in scalars.items()}}
+        if parts[0] is not None and parts[0]["replicated"] is not None:
+            for n, t in replicated(zero.model):
+                t.copy_(parts[0]["replicated"][n])
+    index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
+    groups = [{**h, "params": g["params"]}
+              for h, g in zip(first["hyper"], zero.optimizer.state_dict()["param_groups"])]
+    zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
+                                    "param_groups": groups})
+    zero.zero_grad()
+    zero._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
+
+
+def check_checkpoint(zero, parts, written):
+    """Raise CheckpointError, naming the first problem, unless the checkpoint fits this model."""
+    mine = layout(zero)
+    want = {n: s for unit in mine["units"] for n, s in unit}
+    got = {n: s for unit in written["units"] for n, s in unit}
+    for kind, a, b in [("parameter", want, got),
+                       ("frozen parameter or buffer", mine["replicated"], written["replicated"])]:
+        for n in list(a) + list(b):
+            if a.get(n) != b.get(n):
+                raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
+                                      f"{b.get(n, 'absent')} there, {a.get(n, 'absent')} here")
+    if len(parts) != written["world_size"] or \
+            [p.get("rank") for p in parts] != list(range(len(parts))):
+        raise CheckpointError(f"checkpoint has {len(parts)} rank part(s), its layout says "
+                              f"{written['world_size']}")
+    keys = set(parts[0]["units"][0]["state"]) if parts[0]["units"] else set()
+    for r, part in enumerate(parts):
+        for i, (unit, params) in enumerate(zip(part["units"], written["units"])):
+            size = -(-sum(_numel(s) for _, s in params) // len(parts))
+            tensors = [unit["master"], *unit["state"].values()]
+            if set(unit["state"]) != keys or any(t.numel() != size for t in tensors):
+                raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: not the {size} "
+                                      f"elements (master and state {sorted(keys)}) the layout "
+                                      f"says")
+        if len(part["units"]) != len(written["units"]):
+            raise CheckpointError(f"checkpoint part of rank {r} has {len(part['units'])} units, "
+                                  f"the layout {len(written['units'])}")
+    if parts[0].get("optimizer") != type(zero.optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
+                              f", this run has {type(zero.optimizer).__name__}")
+
+
+def full_state_dict(zero):
+    """{name: full float32 tensor (float64 for a float64 parameter)} for every parameter (tied
+    ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
+    full = {}
+    for unit in zero.units:  # one unit at a time: stage 3 never holds the whole model at once
+        if zero.stage == 0:
+            flat = _wide(unit.master)  # [N*S]: every rank steps the whole unit
+        elif zero.stage < 3 and not zero.mixed_precision:
+            flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
+        else:  # the masters are sharded: gather them
+            flat = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
+            all_gather(flat, unit.master)  # [N*S] <- every rank's [S]
+            zero.meter.sent("all_gather", flat)
+            flat = _wide(flat)
+        full.update({p: unit.view(flat, p).clone() for p in unit.params})
+    return {n: full[p] if p in full else _wide(p.detach()).clone()
+            for n, p in zero.model.named_parameters()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1185,7 +1335,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
         files = {f"rank_{r:05d}.pt": [row[0], bytes(row[1:]).hex()] for r, row in enumerate(rows)}
         aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
         keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-        manifest = {"format": FORMAT, "step": step, **opt.layout(), "optimizer": type(opt.optimizer).__name__,
+        manifest = {"format": FORMAT, "step": step, **layout(opt), "optimizer": type(opt.optimizer).__name__,
                     "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict()], "files": files, "extra": extra or {}}
         _atomic_write(os.path.join(path, "manifest.json"), lambda f: f.write(_json_lines(manifest).encode()))
         found = sorted(_steps(root))
@@ -1234,7 +1384,7 @@ def load_checkpoint(opt, path):
     error = ""
     try:
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
-        opt._check_checkpoint(parts, manifest)
+        check_checkpoint(opt, parts, manifest)
     except CheckpointError as e:
         error = str(e)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a well-formed file of other contents
@@ -1246,7 +1396,7 @@ def load_checkpoint(opt, path):
     errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
     if any(errors):
         raise CheckpointError(next(e for e in errors if e))
-    opt.load_state_dict(parts, manifest)
+    load_parts(opt, parts, manifest)
     return manifest
 
 
@@ -1264,47 +1414,6 @@ def consolidate(path, out):
     state = {key: full[name] for key, name in manifest["keys"]}
     _atomic_write(out, lambda f: torch.save(state, f))
     return manifest
-
-
-# ----------------------------------------------------------------------------------------------
-# The formulas (THEORY.md), to print next to what is measured
-
-STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharded",
-               "ZeRO-2: optimizer state + gradients sharded", "ZeRO-3: optimizer state + gradients + parameters sharded"]
-
-
-def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8):
-    """Model-state bytes per rank: stage >= 1 shards the optimizer state, >= 2 the gradients,
-    3 the parameters. Defaults: fp32 AdamW (m and v: K = 8). The paper: 2, 2, 12."""
-    return {"params": param_bytes * psi / (world if stage >= 3 else 1),
-            "grads": grad_bytes * psi / (world if stage >= 2 else 1),
-            "optimizer": optim_bytes * psi / (world if stage >= 1 else 1)}
-
-
-def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1):
-    """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k micro-batches
-    stages 0 and 1 reduce once (all but the last in no_sync()), stages 2 and 3 reduce-scatter in
-    every backward, and stage 3 gathers in every forward and backward."""
-    ring, k = (world - 1) / world * psi, micro_batches
-    g, r = ring * gather_bytes, ring * reduce_bytes
-    return [{"all_reduce": 2 * r},
-            {"reduce_scatter": r, "all_gather": g},
-            {"reduce_scatter": k * r, "all_gather": g},
-            {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
-
-
-def estimate(psi, world):
-    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks."""
-    print(f"ZeRO model-state memory per rank (formula, THEORY.md / paper Figure 1)\n"
-          f"Ψ = {psi:.4g} parameters, N = {world} ranks, mixed-precision Adam: 2 + 2 + 12 bytes "
-          f"per parameter, GB = 1e9 bytes\n")
-    print(f"{'stage':<32} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}   communication per step")
-    traffic = ["2Ψ(N-1)/N", "2Ψ(N-1)/N", "2Ψ(N-1)/N", "3Ψ(N-1)/N"]
-    for stage in range(4):
-        m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12).items()}
-        elements = sum(comm_formula(stage, psi, world, 1, 1).values())
-        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<30} {m['params']:>7.2f} GB {m['grads']:>7.2f} GB "
-              f"{m['optimizer']:>7.2f} GB {sum(m.values()):>7.1f} GB   {traffic[stage]} = {elements:.3g} elements")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1412,7 +1521,7 @@ def train(args, build=None, keep_params=False, quiet=False):
                                    if args.bf16 else "float32, AdamW (state m, v: 8 bytes per parameter)"),
               ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                                f"{args.grad_accum} micro-batch(es)")]))
-    # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count theirs
+    # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count theirs
     # at the dispatcher, inside this context, which leaves out the logging all-reduce below.
     # Resume: the newest complete checkpoint, whatever stage and world size wrote it. The data
     # position is the step: get_batch() draws step k's global batch from a generator seeded by k.
