@@ -173,10 +173,24 @@ def run_scenarios(rank, world):
         model, opt = wrapped(rank, stage, case, seed=100)
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
         zero.save_checkpoint(opt, root, 2)
+        # torch's convention on the same ranks: opt.load_state_dict(opt.state_dict()) undoes a step
+        own = opt.state_dict()
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 1, start=2)
+        moved = opt.full_state_dict()
+        opt.load_state_dict(own)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
+        own_resumed = opt.full_state_dict()
+        try:  # another rank's part, or another stage's, is refused
+            opt.load_state_dict(dict(own, rank=(rank + 1) % world) if world > 1 else
+                                dict(own, layout=dict(own["layout"], stage=stage - 1)))
+            refused = None
+        except zero.CheckpointError as e:
+            refused = str(e)
         model, opt = wrapped(rank, stage, case, seed=500)
         zero.load_checkpoint(opt, zero.latest_checkpoint(root))
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
-        out[(stage, "resume")] = {"straight": straight, "resumed": opt.full_state_dict()}
+        out[(stage, "resume")] = {"straight": straight, "resumed": opt.full_state_dict(),
+                                  "own": own_resumed, "moved": moved, "refused": refused}
 
         # Buckets of 300 bytes (Net's units: 312, 596, 596, 48 bytes and the head's bias): cut
         # from the last parameter backwards, small units merged, blocks split; stage 3 ignores it.
@@ -313,6 +327,9 @@ def test_resume_from_state_dict_is_exact(ranks, stage):
         r = res[(stage, "resume")]
         for name, t in r["straight"].items():
             assert torch.equal(t, r["resumed"][name]), name
+            assert torch.equal(t, r["own"][name]), name  # opt.load_state_dict(opt.state_dict())
+        assert any(not torch.equal(t, r["moved"][n]) for n, t in r["straight"].items() if "frozen" not in n)
+        assert r["refused"] and "load_checkpoint" in r["refused"]
 
 
 # ----------------------------------------------------------------------------------------------

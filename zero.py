@@ -1107,8 +1107,8 @@ def checkpoint_part(zero):
         for key, value in states[0].items():
             if torch.is_tensor(value) and value.shape == u.pieces[0].shape:
                 per_element[key] = mine([s[key] for s in states])
-            else:
-                scalars[key] = value
+            else:  # a copy: a later step must not change what this returned (Adam's step)
+                scalars[key] = value.clone() if torch.is_tensor(value) else value
         units.append({"master": mine(u.pieces), "state": per_element})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"rank": zero.rank, "units": units, "scalars": scalars, "hyper": hyper,
@@ -1162,7 +1162,7 @@ def load_parts(zero, parts, written):
             where[name], o = (i, o), o + _numel(shape)
         S.append(-(-o // len(parts)))
 
-    def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts holding them
+    def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts with them
         out = []
         while lo < hi:
             q = lo // S[i]  # the rank that wrote element lo
@@ -1251,7 +1251,7 @@ def full_state_dict(zero):
         elif zero.stage < 3 and not zero.mixed_precision:
             flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
         else:  # the masters are sharded: gather them
-            flat = torch.empty(unit.flat.numel(), dtype=unit.master.dtype, device=unit.master.device)
+            flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
             all_gather(flat, unit.master)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
             flat = _wide(flat)
