@@ -328,6 +328,18 @@ def bench(args):
     # What the backend charges for each collective on the same bytes: the ZeRO paper's "stage 1
     # costs what stage 0 costs" (arXiv:1910.02054) assumes reduce-scatter + all-gather =
     # all-reduce, as ring algorithms give.
+    # The cost of zero.py's per-step check that ranks communicated the same units (one all-reduce
+    # of 16 bytes per step, zero.check_step_agrees; check_steps=False, --no-step-check: off)
+    check, took = torch.zeros(2, dtype=torch.int64), []
+    for _ in range(1 + 10 * args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(check, op=dist.ReduceOp.MAX)
+        took.append(time.perf_counter() - t0)
+    check_ms = statistics.median(took[1:]) * 1e3
+    step_ms = rows[0][3]["zero.py"] * 1e3  # the default model, stage 0
+    log(f"per-step check that ranks agree (one 16-byte all_reduce): {check_ms:.3f} ms, "
+        f"{100 * check_ms / step_ms:.1f}% of the {rows[0][0]} model's stage-0 step")
     psi = rows[-1][2]
     x, times = torch.randn(psi // world * world), {}
     shard, full = torch.empty(x.numel() // world), torch.empty_like(x)

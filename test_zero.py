@@ -37,16 +37,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 V, D, H, B, T = 13, 6, 11, 3, 5  # vocab, width, hidden, rows per rank, tokens per row
 STEPS = 3
 CASES = {
-    # Default units: emb, block 0, block 1, norm, head. The head's weight is the embedding's, so the
-    # tied parameter sits in one unit and is used by two. Two micro-batches per step and clipping
+    # Units: emb, block 0, block 1, norm, head. The head's weight is the embedding's, so the tied
+    # parameter sits in one unit and is used by two. Two micro-batches per step and clipping
     # (max norm small enough that it really clips).
     "adamw": dict(optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
-                  accum=2, clip=0.05, units=None),
+                  accum=2, clip=0.05, units="each"),
     # Units: the two blocks; the root unit holds emb (tied to the head), norm and the head's bias.
     "sgd": dict(optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
                 accum=1, clip=None, units="blocks"),
     # AdamW and clipping hardly notice a gradient off by a constant factor; plain SGD does. Two
-    # micro-batches, default units.
+    # micro-batches, default units (the blocks, found by default_units).
     "sgd-accum": dict(optimizer=functools.partial(torch.optim.SGD, lr=0.1), accum=2, clip=None, units=None),
 }
 
@@ -108,7 +108,8 @@ def reference(case, world, steps=STEPS):
 
 def wrapped(rank, stage, case, seed, **kwargs):
     model = Net(seed=seed + rank)
-    units = list(model.blocks) if CASES[case]["units"] == "blocks" else None
+    units = {"blocks": list(model.blocks), "each": [model.emb, *model.blocks, model.norm, model.head],
+             None: None}[CASES[case]["units"]]
     return model, zero.wrap(model, stage, CASES[case]["optimizer"], units=units, **kwargs)
 
 
@@ -402,7 +403,11 @@ def expected_comm(stage, case, world, lay):
             {"reduce_scatter": k * ring, "all_gather": k * (2 * ring - root + (emb if root == 0 else 0))}][stage]
     if CASES[case]["clip"] and stage >= 1:
         want["all_reduce"] = 2 * (world - 1) * 4 / world  # the sum of squares for the global norm
+    want["all_reduce"] = want.get("all_reduce", 0) + CHECK * (world - 1) / world
     return want
+
+
+CHECK = 2 * 16  # ring bytes of the per-step check that ranks agree (zero.check_step_agrees)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -431,7 +436,8 @@ def test_every_backward_may_reduce(ranks, stage):
             assert (rec["full"][name] - want[name]).abs().max().item() <= 1e-5, name
         ring = 4 * (world - 1) * sum(rec["layout"]["S"])
         reductions = rec["comm"].get("all_reduce" if stage == 0 else "reduce_scatter", 0)
-        assert reductions == 2 * (2 * ring if stage == 0 else ring)
+        check = CHECK * (world - 1) / world if stage == 0 else 0
+        assert reductions == 2 * (2 * ring if stage == 0 else ring) + check
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -847,8 +853,11 @@ def test_bench_prints_every_stage_against_pytorch():
         assert ms_torch > 0 and ms_zero > 0  # and the ratio is theirs, within the rounding of the columns
         assert (ms_zero - 0.05) / (ms_torch + 0.05) - 5e-4 <= ratio <= (ms_zero + 0.05) / (ms_torch - 0.05) + 5e-4
     state_torch, state_zero, sent_torch, sent_zero, formula = ([int(r[k].replace(",", "")) for r in rows] for k in range(-5, 0))
-    for stage in range(3):  # the formula, plus the squared norm for clipping (stages 1, 2: 2 x 1/2 x 4 bytes)
-        assert sent_zero[stage] - formula[stage] == (0 if stage == 0 else 4)
+    for stage in range(3):  # the formula, plus the squared norm for clipping (stages 1, 2: 2 x 1/2 x 4
+        # bytes) and the per-step check that ranks agree (2 x 1/2 x 16 bytes)
+        assert sent_zero[stage] - formula[stage] == (0 if stage == 0 else 4) + 16
+    check = next(line for line in out.splitlines() if line.startswith("per-step check"))
+    assert re.search(r"all_reduce\): \d+\.\d+ ms, \d+\.\d% of the tiny model's stage-0 step", check)
     assert sent_zero[3] < formula[3]  # stage 3 gathers its root unit once per step, not twice
     assert state_zero[3] <= state_torch[3]
     assert "zero.reduce_scatter" in out.splitlines()[-1]
@@ -1105,8 +1114,8 @@ def disagree(rank, world):
 
 def test_ranks_that_disagree_fail_fast():
     for errors in spawn(2, "disagree"):
-        assert all(e and e.startswith("zero: ranks disagree: rank 0 has stage") for e in errors), errors
-        assert "rank 1 has stage 2" in errors[0] and "layout hash" in errors[1]
+        assert all(e and e.startswith("zero: ranks disagree: rank 0 has ") for e in errors), errors
+        assert "rank 0 has stage 3; rank 1 has stage 2" in errors[0] and "layout hash" in errors[1]
 
 
 CKPT = ["--stage", "2", "--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch-size", "2"]
@@ -1218,3 +1227,189 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     procs[1].communicate()
     assert procs[0].returncode == 1
     assert err.count("\n") == 1 and "rank 0: a collective failed" in err, err[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 3 in real code: activation checkpointing, reading parameters between steps, a second
+# wrap, the blocks of real models found by default, ranks that disagree
+
+class Deep(nn.Module):
+    """Four blocks, each run under torch.utils.checkpoint when `mode` says so: (use_reentrant,
+    early_stop), or None for no checkpointing."""
+
+    def __init__(self, mode=None):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(4))
+        self.head = nn.Linear(D, V)
+        self.mode, self.only = mode, None  # only: compute with this one block alone
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks if self.only is None else [self.blocks[self.only]]:
+            if self.mode is None:
+                h = h + block(h)
+            else:
+                with torch.utils.checkpoint.set_checkpoint_early_stop(self.mode[1]):
+                    h = h + torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.mode[0])
+        return self.head(h)
+
+
+CHECKPOINT_MODES = [(False, True), (False, False), (True, True)]  # early stop: the default
+
+
+def deep_steps(model, opt, rows, world, steps=3, after_step=lambda: None):
+    for step in range(steps):
+        x, y = (t[rows] for t in global_batch(step, 0, world))
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        after_step()
+        opt.zero_grad()
+
+
+def real_code(rank, world):
+    out, rows = {}, slice(rank * B, (rank + 1) * B)
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    for stage in range(4):
+        for mode in CHECKPOINT_MODES:
+            model = Deep(mode)
+            opt = zero.wrap(model, stage, optimizer)
+            seen = watch(model, opt)
+            gathered_after = []
+            deep_steps(model, opt, rows, world,
+                       after_step=lambda: gathered_after.append(sum(u.gathered for u in opt.units)))
+            out[(stage, mode)] = dict(seen, full=opt.full_state_dict(), units=len(opt.units),
+                                      gathered_after=gathered_after)
+    # Reading a stage-3 model between steps: what needs values is a clear error, the rest works
+    model = Deep()
+    opt = zero.wrap(model, 3, optimizer)
+    deep_steps(model, opt, rows, world, steps=1)
+    errors = {}
+    for name, read in [("norm", lambda: float(model.head.weight.norm())),
+                       ("print", lambda: str(model.blocks[0][0].bias)),
+                       ("data", lambda: model.emb.weight.data.sum()),
+                       ("state_dict", lambda: model.state_dict()),
+                       ("save", lambda: torch.save(model.state_dict(), io.BytesIO()))]:
+        try:
+            read()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    out["reads"] = {"errors": errors, "shape": tuple(model.head.weight.shape),
+                    "full": opt.full_state_dict()["head.weight"].shape,
+                    "eval": model(torch.zeros(1, T, dtype=torch.long)).shape}
+    with torch.no_grad():  # evaluation between steps gathers and frees as training does
+        out["reads"]["eval_no_grad"] = model(torch.zeros(1, T, dtype=torch.long)).shape
+    try:
+        zero.wrap(model, 3, optimizer)
+        out["rewrap"] = None
+    except ValueError as e:
+        out["rewrap"] = str(e)
+    # Ranks that disagree on a setting that changes what is communicated: every rank refuses
+    out["disagree"] = {}
+    for name, kwargs in [("param_dtype", dict(param_dtype=torch.bfloat16)), ("overlap", dict(overlap=False))]:
+        try:
+            zero.wrap(Deep(), 1 if name == "param_dtype" else 0, optimizer, **(kwargs if rank == 1 else {}))
+            out["disagree"][name] = None
+        except ValueError as e:
+            out["disagree"][name] = str(e)
+    # Ranks that compute with different blocks of the same size: the reductions pair the wrong
+    # units; the per-step check stops it before anything is applied
+    out["swapped"] = {}
+    for stage in range(4):
+        model = Deep()
+        opt = zero.wrap(model, stage, optimizer, units=list(model.blocks))
+        before = opt.full_state_dict()
+        x, y = (t[rows] for t in global_batch(0, 0, world))
+        model.only = rank % 2  # rank 0 computes with block 0, rank 1 with block 1
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        try:
+            opt.step()
+            out["swapped"][stage] = (None, None)
+        except RuntimeError as e:
+            after = opt.full_state_dict()
+            out["swapped"][stage] = (str(e), all(torch.equal(before[n], after[n]) for n in before))
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_runs():
+    return spawn(2, "real_code")
+
+
+def deep_reference(world):
+    model = Deep()
+    deep_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), slice(None), world)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES, ids=lambda m: f"reentrant={m[0]}-early_stop={m[1]}")
+@pytest.mark.parametrize("stage", range(4))
+def test_activation_checkpointing_trains_like_the_reference(real_runs, stage, mode):
+    want = deep_reference(2)
+    for res in real_runs:
+        rec = res[(stage, mode)]
+        for name, t in want.items():
+            assert (rec["full"][name] - t).abs().max().item() <= 1e-5, (name, stage, mode)
+        if stage == 3:  # a unit is freed once the recomputation is done with it: never all at once
+            assert rec["gathered"] < rec["units"] and rec["gathered_after"] == [0, 0, 0]
+
+
+def test_reading_a_stage3_parameter_is_an_error_not_a_crash(real_runs):
+    for res in real_runs:
+        r = res["reads"]
+        for name, error in r["errors"].items():
+            assert error and "full_state_dict()" in error, (name, error)
+        assert r["errors"]["norm"].startswith("zero: head.weight is sharded")
+        assert r["shape"] == r["full"] == (V, D) and r["eval"] == r["eval_no_grad"] == (1, T, V)
+        assert res["rewrap"] and "wrapped already" in res["rewrap"]
+
+
+def test_settings_that_change_communication_must_agree(real_runs):
+    for res in real_runs:
+        for name, error in res["disagree"].items():
+            assert error and error.startswith(f"zero: ranks disagree: rank 0 has {name}"), error
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_ranks_that_reduce_different_units_stop_before_the_step(real_runs, stage):
+    for res in real_runs:
+        error, unchanged = res["swapped"][stage]
+        assert error and "different units" in error and unchanged
+
+
+def test_default_units_find_the_blocks_at_any_depth():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    class GPT2Like(nn.Module):  # Hugging Face: model.transformer.h, a ModuleList
+        def __init__(self):
+            super().__init__()
+            self.transformer = nn.Module()
+            self.transformer.wte, self.transformer.ln_f = nn.Embedding(5, 4), nn.LayerNorm(4)
+            self.transformer.h = nn.ModuleList(Block() for _ in range(3))
+            self.lm_head = nn.Linear(4, 5)
+
+    class LlamaLike(nn.Module):  # model.model.layers
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.embed_tokens = nn.Embedding(5, 4)
+            self.model.layers = nn.ModuleList(Block() for _ in range(3))
+            self.lm_head = nn.Linear(4, 5)
+
+    class ViTLike(nn.Module):  # timm: blocks is an nn.Sequential, next to a Sequential stem
+        def __init__(self):
+            super().__init__()
+            self.patch_embed = nn.Sequential(nn.Conv2d(3, 4, 2), nn.Flatten())
+            self.blocks = nn.Sequential(*(Block() for _ in range(3)))
+            self.head = nn.Linear(4, 2)
+
+    for model, blocks in [(m, m.transformer.h) for m in [GPT2Like()]] + \
+            [(m, m.model.layers) for m in [LlamaLike()]] + [(m, m.blocks) for m in [ViTLike()]]:
+        assert zero.default_units(model) == list(blocks), type(model).__name__
+    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))  # no repeated blocks: children
+    assert zero.default_units(flat) == [flat[0], flat[2]]

@@ -157,33 +157,31 @@ def all_gather(out, shard, async_op=False):
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
     averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
-
-    DDP's job, done DDP's way: as soon as backward has produced a unit's last gradient, its
-    all-reduce is launched, and step() waits for what is still in flight. Backward calls inside
-    `with optimizer.no_sync():` only add up local gradients: one reduction per step."""
+    DDP's job, done DDP's way: a unit's all-reduce is launched as soon as backward has produced
+    its last gradient (overlap=True), and step() waits for what is still in flight."""
 
     stage = 0
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None,
-                 overlap=True, bucket_bytes=0):
+                 overlap=True, bucket_bytes=0, check_steps=True):
         self.model, self.overlap, self.bucket_bytes = model, overlap, bucket_bytes
+        self.check_steps = check_steps  # compare what ranks communicated, every step (checks)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Mixed precision: compute in param_dtype, reduce in reduce_dtype, step fp32 masters.
         self.mixed_precision = param_dtype is not None
         self.reduce_dtype = reduce_dtype or (torch.float32 if self.mixed_precision else None)
         self.units = make_units(self, model, units)  # (Part II: which modules, buckets)
         self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable params
-        # Reductions in flight (speed: overlap); bytes held and sent, .comm and .peak (measurement)
-        self.in_flight, self.meter = InFlight(self), Meter(self)
-        check_ranks_agree(self)  # before the first collective that could hang (Part II, checks)
+        self.in_flight, self.meter = InFlight(self), Meter(self)  # (speed; measurement)
+        check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
         # Start from rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
         for t in [u.flat for u in self.units] + [t for _, t in replicated(model)]:
             dist.broadcast(t.data, src=0)
         if self.mixed_precision:
             cast_frozen_and_inputs(model, self.unit_modules, param_dtype)  # (mixed precision)
         for i, unit in enumerate(self.units):
-            full = cast(unit, param_dtype)  # mixed precision: a param_dtype copy to compute with
+            full = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
             self._shard(unit)
             unit.master = full[unit.owned].clone() if self.mixed_precision else unit.shard
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
@@ -193,9 +191,10 @@ class DataParallel:
         # element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update depends
         # on that element's gradient and state only. It is NOT for optimizers that look at whole
         # tensors (LAMB, LARS, Shampoo, Muon: a shard holds slices of several), nor are
-        # per-parameter groups (no weight decay on biases) possible, for the same reason.
+        # per-parameter groups (no weight decay on biases) possible, for the same reason. The
+        # .grad of each piece is a view of unit.grad_shard (so that one is never reallocated).
         self.optimizer = optimizer(optimizer_pieces(self))  # the masters, in pieces (speed)
-        self._sync, self._end_queued, self._reduced = True, False, False
+        self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
     def _shard(self, unit):  # stage 0 shards nothing: this rank steps all, keeps the gradient
@@ -218,16 +217,13 @@ class DataParallel:
         if self._reduced:  # adding local gradients to averaged ones would silently be wrong
             raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
                                "call zero_grad() first")
-        if not self._end_queued:  # a parameter unused in this backward never reports: see the end
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_queued = True
+        self._queue_end_of_backward()  # a parameter unused in this backward never reports
         if unit.arrived == 0:  # the unit's first gradient in this backward
             unit.divide, unit.cleared = self._division(unit), False
         # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
-        # Stages 0 and 1 keep that buffer and p.grad as a view into it (DDP's
-        # gradient_as_bucket_view): the next backward's autograd adds into it in place. A new
-        # tensor arrives instead when p.grad was None (zero_grad) or autograd accumulated out of
-        # place (create_graph=True): it is p's whole gradient so far, copy its values.
+        # Stages 0 and 1 keep p.grad as a view into it (DDP's gradient_as_bucket_view), where the
+        # next backward adds in place. A new tensor (p.grad was None, or create_graph=True
+        # accumulated out of place) is p's whole gradient so far: copy its values.
         view = unit.view(unit.grad, p)
         if p.grad.data_ptr() != view.data_ptr():
             if unit.divide == "copy":
@@ -239,6 +235,11 @@ class DataParallel:
         if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
             self._reduce_unit(unit)
 
+    def _queue_end_of_backward(self):
+        if not self._end_queued:  # _end_of_backward() runs when this backward is done
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+
     def _division(self, unit):
         # The one place that decides where this backward's gradient is divided by N (the sum
         # over ranks -> the mean): when each all-reduce lands, or while copying (speed, below).
@@ -249,8 +250,8 @@ class DataParallel:
 
     def _end_of_backward(self):
         # Runs once when autograd finishes a backward. Units of which some parameter got no
-        # gradient (unused in this forward) are reduced here, in unit order, the same on every
-        # rank (if ranks use different parameters, see check_units_agree, Part II).
+        # gradient (unused) are reduced here, in unit order. Ranks that use different parameters
+        # pair collectives of different sizes: an error, or a hang until the timeout (as DDP).
         self._end_queued = False
         for unit in self.units:
             if unit.unreduced and self._reduce_in_backward():
@@ -274,7 +275,7 @@ class DataParallel:
         self.in_flight.launch(unit, *self._reduce(unit, g))
 
     def _reduce(self, unit, g):  # -> (the collective's work, where its result lands)
-        self.meter.sent("all_reduce", g)
+        self.meter.sent("all_reduce", g, unit)
         return dist.all_reduce(g, async_op=True), g  # [N*S] in place: the sum over ranks
 
     def _land(self, unit, g):
@@ -284,8 +285,7 @@ class DataParallel:
         unit.grad.copy_(g if unit.divide == "copy" else g.div_(self.world))
 
     def _reduce_grads(self):
-        # clip_grad_norm_() and step() start here: reduce what no backward has reduced (no_sync,
-        # overlap=False), and wait for what is in flight.
+        # clip_grad_norm_() and step() start here: reduce what backward did not, land the rest
         if self._reduced:
             return
         for unit in self.units:
@@ -294,6 +294,7 @@ class DataParallel:
             else:
                 self._zero_missing(unit)  # no gradient at all this step, on any rank
         self.in_flight.land()
+        check_step_agrees(self)  # every rank reduced the same units (checks)
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -365,7 +366,7 @@ class ZeRO1(DataParallel):
     def _reduce(self, unit, g):
         # Half the all-reduce (the other half comes after the step, on the parameters), in
         # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
-        self.meter.sent("reduce_scatter", g)
+        self.meter.sent("reduce_scatter", g, unit)
         return reduce_scatter(g[unit.mine], g, async_op=True), g[unit.mine]
 
     def _land(self, unit, mine):
@@ -382,8 +383,7 @@ class ZeRO1(DataParallel):
             for unit in self.units:  # unit.divide == "step": the sum over ranks / N, the mean
                 unit.grad_shard.div_(self.world)
 
-    def _sum_of_squares(self):
-        # Each rank holds 1/N of the gradient: add up the squares of all shards first.
+    def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
         dist.all_reduce(squares)
         self.meter.sent("all_reduce", squares)
@@ -392,7 +392,7 @@ class ZeRO1(DataParallel):
     def _gather_params(self):
         for unit in self.units:  # in place: this rank's stepped shard is a slice of flat
             all_gather(unit.flat, unit.shard)
-            self.meter.sent("all_gather", unit.flat)
+            self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("all-gather after the step", unit)
 
 
@@ -403,7 +403,8 @@ class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
     its [S] into a persistent gradient shard, and the full [N*S] buffer is freed. Memory
-    2Ψ + 14Ψ/N (paper); communication unchanged, but reduce-scatters run during backward.
+    2Ψ + 14Ψ/N (paper); communication unchanged, but the reduce-scatters must run during
+    backward (stage 1 runs them there only to overlap, with overlap=True).
 
     Timing is the whole point: a "ZeRO-2" that reduce-scatters after backward has finished holds
     every full gradient at the peak and saves nothing. Trade-off: with gradient accumulation
@@ -463,7 +464,8 @@ class ZeRO3(ZeRO2):
         needs = {model: [u for u in self.units if not u.modules]}
         for m in self.unit_modules:
             needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
-        self.prefetch = Prefetch(self)  # speed: gathers the next unit while this one computes
+        self.prefetcher = Prefetch(self)  # speed: gathers the next unit while this one computes
+        guard_sharded_parameters(self)  # reading a freed parameter: an error, not a crash (checks)
         for module, units in needs.items():
             if units:
                 module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
@@ -478,8 +480,12 @@ class ZeRO3(ZeRO2):
         if not unit.gathered:
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
-            self.meter.sent("all_gather", unit.flat)
+            self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("gather", unit)
+            unit.gathered_at = self.steps
+        elif unit.gathered_at != self.steps:  # a unit kept from before step(): stale values
+            raise RuntimeError(f"zero: unit {self.units.index(unit)} was gathered before the last "
+                               "step() and still is: a forward that did not finish?")
         if unit.prefetch is not None and not prefetch:  # needed now: wait for the prefetch
             unit.prefetch.wait()
             unit.prefetch = None
@@ -496,17 +502,22 @@ class ZeRO3(ZeRO2):
         self.meter.event("free", unit)
 
     def _pre_forward(self, units, module, args):
+        if torch._C._current_graph_task_id() != -1:  # in backward: a checkpointed module's
+            return self._recompute(units)            # forward, run again (activation checkpointing)
         for u in units:
             u.users += 1
             self._gather(u)
-        self.prefetch.forward_started(units)  # and the units of the module computing next
+        self.prefetcher.forward_started(units)  # and the units of the module computing next
 
     def _post_forward(self, units, module, args, output):
-        call = self.prefetch.forward_done()  # this module's place in the order of gathers
+        if torch._C._current_graph_task_id() != -1:
+            return  # the end of a recomputation (it may not run at all: see _recompute)
+        call = self.prefetcher.forward_done()  # this module's place in the order of gathers
         training = torch.is_grad_enabled()
         for u in units:
             u.users -= 1
-            if u.users == 0 and not (training and not u.modules):  # keep the root for backward
+            keep = training and not u.modules  # the root: backward needs it again at once
+            if u.users == 0 and not keep:
                 self._free(u)
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if training and tensors:  # fires when backward reaches this module's output: gather again
@@ -516,7 +527,16 @@ class ZeRO3(ZeRO2):
     def _pre_backward(self, units, call, grad):
         for u in units:
             self._gather(u)
-        self.prefetch.backward_started(call)  # and those of the module before it
+        self.prefetcher.backward_started(call)  # and those of the module before it
+
+    def _recompute(self, units):
+        # torch.utils.checkpoint runs a module's forward again in backward, to recompute what it
+        # did not save. Its forward hook may never run (non-reentrant checkpointing stops the
+        # forward once it has what it needs), so users are not counted: the units stay gathered
+        # until their gradient is reduced, as after _pre_backward.
+        self._queue_end_of_backward()  # on this backward, not on a nested one (reentrant)
+        for u in units:
+            self._gather(u)
 
     def _reduce_unit(self, unit):
         super()._reduce_unit(unit)
@@ -525,13 +545,14 @@ class ZeRO3(ZeRO2):
 
     def _end_of_backward(self):
         super()._end_of_backward()
-        for unit in self.units:  # the root, and units gathered for a backward that gave no grads
+        for unit in self.units:  # units gathered for a backward that gave them no gradient
             if unit.users == 0 and unit.gathered:
                 self._free(unit)
 
     def _gather_params(self):
         # Nothing to gather after the step: the next forward gathers each unit when it needs it.
         # A unit still gathered (a forward that had no backward) now holds stale values: free it.
+        self.steps += 1
         for unit in self.units:
             if unit.users == 0 and unit.gathered:
                 self._free(unit)
@@ -559,7 +580,7 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
 def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-         bucket_bytes=0):
+         bucket_bytes=0, check_steps=True):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with.
 
@@ -568,15 +589,18 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     schedulers to that). units: the modules communicated as one (stage 3 gathers them one by
     one); default_units(model). param_dtype: e.g. torch.bfloat16 for mixed precision;
     reduce_dtype: of the gradient reductions (default float32 in mixed precision). overlap:
-    reduce during backward, prefetch in stage 3. bucket_bytes: stages 0-2 cut the parameters into
-    buckets of this many bytes, from the last backwards, merging small units and splitting large
-    ones at parameter boundaries (0: every unit is its own bucket); stage 3 ignores it."""
+    reduce during backward, prefetch in stage 3. bucket_bytes: stages 0-2 cut the parameters
+    into buckets of this many bytes, walking back from the last parameter, merging small units
+    and splitting large ones at parameter boundaries (0: every unit is its own bucket); stage 3
+    ignores it. check_steps: one 16-byte all-reduce per step that stops ranks that
+    communicated different units before anything is applied (check_step_agrees)."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
         setup()
     return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes)
+                         reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes,
+                         check_steps=check_steps)
 
 
 # =================================== PART II: THE ENGINEERING =================================
@@ -586,14 +610,31 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
 # ----------------------------------------------------------------------------------------------
 # Units: which modules, by default, and the parameters each one holds
 
-def default_units(module):
-    """Every child that has trainable parameters; containers (ModuleList, ModuleDict) are opened,
-    so the blocks of a transformer's ModuleList each become a unit. Parameters of the model that
-    no unit holds (an embedding, a final norm) form the root unit."""
+def default_units(model):
+    """The repeated blocks of the model, at any depth, as FSDP's auto-wrap by block class: the
+    members of every ModuleList or Sequential whose members are two or more modules of one
+    class with trainable parameters (a transformer's layers: GPT-2's transformer.h, Llama's
+    model.layers, a ViT's blocks), outermost first. Parameters that no unit holds (embeddings,
+    a final norm, a head) form the root unit. A model with no such list: each child with
+    trainable parameters (ModuleLists and ModuleDicts opened). Units by hand: wrap(units=...)."""
+    units, taken = [], set()
+    for name, m in model.named_modules():
+        if any(name.startswith(t + ".") for t in taken) or \
+                not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        members = list(m)
+        if len(members) >= 2 and len({type(b) for b in members}) == 1 and \
+                all(any(p.requires_grad for p in b.parameters()) for b in members):
+            units += members
+            taken.add(name)
+    return units or _trainable_children(model)
+
+
+def _trainable_children(module):
     units = []
     for child in module.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            units += default_units(child)
+            units += _trainable_children(child)
         elif any(p.requires_grad for p in child.parameters()):
             units.append(child)
     return units
@@ -603,6 +644,9 @@ def make_units(zero, model, modules):
     """The units of `model`: each trainable parameter goes to the first of `modules` (default:
     default_units(model)) that holds it, what none holds to the root unit; then buckets, if
     zero.bucket_bytes asks for them."""
+    if any(hasattr(p, "_zero_unit") for p in model.parameters()):
+        raise ValueError("zero: this model is wrapped already (wrap() changes it in place): "
+                         "build a new model to wrap it again")
     modules = default_units(model) if modules is None else list(modules)
     inside = {id(m) for m in model.modules() if m is not model}
     if any(id(m) not in inside for m in modules):
@@ -622,7 +666,12 @@ def make_units(zero, model, modules):
     for _, params in groups:  # one flat buffer holds one dtype on one device
         if any((p.dtype, p.device) != (params[0].dtype, params[0].device) for p in params):
             raise ValueError("zero: the parameters of one unit must share dtype and device")
-    return [Unit(mods, params, zero.rank, zero.world) for mods, params in groups]
+    units = [Unit(mods, params, zero.rank, zero.world) for mods, params in groups]
+    for i, unit in enumerate(units):
+        unit.index = i
+        for p in unit.params:
+            p._zero_unit = weakref.ref(unit)  # wrapped (and, at stage 3, where its values live)
+    return units
 
 
 def replicated(model):
@@ -899,14 +948,17 @@ class Meter:
     dropped, the optimizer step."""
 
     def __init__(self, zero):
-        self.zero, self.now, self.held = zero, Counter(), {}
+        self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
         zero.comm, zero.peak = Counter(), Counter()
 
-    def sent(self, kind, full):
+    def sent(self, kind, full, unit=None):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M
         bytes): all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. What
-        replaces them on gloo (all_to_all or N reduces, N broadcasts) sends the same."""
+        replaces them on gloo (all_to_all or N reduces, N broadcasts) sends the same. The
+        fingerprint of what was sent on which unit: see check_step_agrees."""
         z = self.zero
+        code = ("all_reduce", "reduce_scatter", "all_gather").index(kind)  # str hashes vary
+        self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
         times = 2 if kind == "all_reduce" else 1
         z.comm[kind] += times * (z.world - 1) * full.numel() * full.element_size() / z.world
 
@@ -1042,20 +1094,85 @@ def _all_ranks(row, device, dtype=torch.int64):
     return every.view(dist.get_world_size(), len(row)).tolist()
 
 
-def check_ranks_agree(zero):
-    # Fail fast. Ranks that built another model or chose another stage would hang in the next
-    # collective (its sizes differ) until the timeout, or exchange garbage. So the first
-    # collective is a small one every rank can make: stage, Ψ and a hash of the layout.
+class ShardedParameter(nn.Parameter):
+    """A stage-3 parameter: between uses its storage is freed (ZeRO3._free), and plain torch
+    would read freed memory (a crash, or garbage). Reading its values then is a clear error;
+    what only asks for its shape, dtype, grad or hooks still works."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in args:
+            if type(a) is cls and not a._zero_unit().gathered and _reads_values(func, args):
+                raise RuntimeError(
+                    f"zero: {a._zero_name} is sharded at stage 3 and not gathered now (only inside "
+                    "forward and backward): read the model with opt.full_state_dict() on every "
+                    "rank, save it with zero.save_checkpoint()")
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+_METADATA = {"numel", "dim", "size", "stride", "storage_offset", "untyped_storage", "data_ptr",
+             "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
+             "register_hook", "requires_grad_", "retain_grad", "__hash__"}
+
+
+def _reads_values(func, args):
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property: only getting .data hands out the values
+        return name == "__get__" and getattr(func.__self__, "__name__", "") == "data"
+    if name == "view_as":  # x.view_as(p) asks p for its shape only
+        return type(args[0]) is ShardedParameter
+    return name not in _METADATA
+
+
+def guard_sharded_parameters(zero):
+    names = {p: n for n, p in zero.model.named_parameters()}
+    for unit in zero.units:
+        for p in unit.params:
+            p.__class__, p._zero_name = ShardedParameter, names[p]
+
+
+def _digest(x):
+    text = json.dumps(x, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def check_ranks_agree(zero, param_dtype):
+    # Fail fast. Ranks that built another model, chose another stage or another setting that
+    # changes what is communicated would hang in a collective whose sizes differ, or exchange
+    # garbage. So the first collective is a small one every rank can make: each of them.
     mine = {k: v for k, v in layout(zero).items() if k != "world_size"}
-    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).digest()[:8]
-    row = [zero.stage, zero.psi, int.from_bytes(digest, "little", signed=True)]
-    rows = _all_ranks(row, zero.units[0].flat.device)
-    for r, (stage, psi, digest) in enumerate(rows):
-        if (stage, psi, digest) != tuple(rows[0]):
-            raise ValueError(
-                f"zero: ranks disagree: rank 0 has stage {rows[0][0]}, Ψ = {rows[0][1]:,}, "
-                f"layout hash {rows[0][2] & (2**64 - 1):016x}; rank {r} has stage {stage}, "
-                f"Ψ = {psi:,}, layout hash {digest & (2**64 - 1):016x}")
+    settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
+                    overlap=zero.overlap, check_steps=zero.check_steps)
+    fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
+              **{k: _digest(v) for k, v in settings.items()}}
+    rows = _all_ranks(list(fields.values()), zero.units[0].flat.device)
+    for r, row in enumerate(rows):
+        for name, a, b in zip(fields, rows[0], row):
+            if a != b:
+                shown = (a, b) if name in ("stage", "Ψ") else (f"{a & (2**64 - 1):016x}",
+                                                              f"{b & (2**64 - 1):016x}")
+                if name in settings:
+                    shown = (f"{shown[0]} (hash)", f"{shown[1]} (hash)")
+                raise ValueError(f"zero: ranks disagree: rank 0 has {name} {shown[0]}; "
+                                 f"rank {r} has {name} {shown[1]}" +
+                                 (f" (here: {settings[name]!r})" if name in settings else ""))
+
+
+def check_step_agrees(zero):
+    # Ranks that computed with different units of the same size (a forward that branches on
+    # the rank, or on data) pair the wrong buffers in their collectives, and nothing fails. So
+    # every rank keeps a fingerprint of the collectives it made on which units (Meter.sent),
+    # and before the optimizer applies anything one all-reduce of 16 bytes compares them, as
+    # DDP's find_unused_parameters pays an all-reduce per step. check_steps=False turns it off.
+    if zero.world == 1 or not zero.check_steps:
+        return
+    t = torch.tensor([zero.meter.trace, -zero.meter.trace], device=zero.units[0].flat.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    zero.meter.sent("all_reduce", t)
+    zero.meter.trace = 0
+    if t[0] != -t[1]:
+        raise RuntimeError("zero: ranks communicated different units in this step (did they "
+                           "compute with different parameters?): the step is not applied")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1336,7 +1453,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
         aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
         keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         manifest = {"format": FORMAT, "step": step, **layout(opt), "optimizer": type(opt.optimizer).__name__,
-                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict()], "files": files, "extra": extra or {}}
+                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)], "files": files, "extra": extra or {}}
         _atomic_write(os.path.join(path, "manifest.json"), lambda f: f.write(_json_lines(manifest).encode()))
         found = sorted(_steps(root))
         for old in os.listdir(root):  # older checkpoints, complete or not, beyond the newest `keep`
@@ -1506,7 +1623,8 @@ def train(args, build=None, keep_params=False, quiet=False):
     if build is None:
         net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
                                param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
-                               bucket_bytes=int(args.bucket_mb * 2**20))
+                               bucket_bytes=int(args.bucket_mb * 2**20),
+                               check_steps=not args.no_step_check)
         label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     else:
         net, opt, label = build(model)
@@ -1627,8 +1745,10 @@ def report(res, args):
     if stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
         log0(f"  (gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above {A2A_BYTES >> 20} MB),"
              "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see reduce_scatter() in zero.py)")
-    if args.clip > 0 and comm.get("all_reduce") and stage >= 1:
-        log0("  (all_reduce: the sum of squares for clipping by the global gradient norm)")
+    if comm.get("all_reduce") and world > 1:
+        log0("  (all_reduce" + (" includes" if stage == 0 else ":") + " 16 bytes a step that check"
+             " ranks agree" + (", and the sum of squares for clipping by the global norm)"
+                               if args.clip > 0 and stage >= 1 else ")"))
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over {len(res['times'])} steps")
     if res["cuda_peak"]:
         log0("torch.cuda.max_memory_allocated per rank: " + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
@@ -1672,6 +1792,8 @@ def training_parser(description):
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
     p.add_argument("--no-overlap", action="store_true", help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
+    p.add_argument("--no-step-check", action="store_true", help="skip the per-step check that "
+                   "ranks communicated the same units (one 16-byte all_reduce a step)")
     p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: cut the parameters into buckets of this many MiB "
                    "(DDP: 25; default 0, each unit its own bucket)")
     return p
