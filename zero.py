@@ -992,12 +992,11 @@ def estimate(psi, world):
               f"{traffic[stage]} = {elements:.3g} elements")
 
 
-# ----------------------------------------------------------------------------------------------
-# Timeline (--timeline, --timeline-all): the model-state bytes after every event of one step, as
-# Meter.event sees them, drawn as stacked bands (an SVG file) and as text (the terminal). It
-# shows what the tables above only sum up: stage 0 holds everything all step long, stage 1
-# cuts the optimizer band, stage 2's gradients rise and fall unit by unit during backward,
-# stage 3's parameters are a sawtooth of gathers and frees.
+# The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
+# step, as Meter.event sees them, drawn as stacked bands (an SVG file) and as text (the
+# terminal). It shows what the tables only sum up: stage 0 holds everything all step long,
+# stage 1 cuts the optimizer band, stage 2's gradients rise and fall unit by unit during
+# backward, stage 3's parameters are a sawtooth of gathers and frees.
 
 STACK = ("optimizer", "params", "grads")  # bottom to top: the steady band under the moving ones
 COLORS = {"optimizer": "#59a14f", "params": "#4e79a7", "grads": "#f28e2b"}
@@ -1065,7 +1064,7 @@ def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
 
 def timeline_text(panels, width=100):
     """The panels as text on one scale, one row per event: the bytes of each kind after it and a
-    stacked bar; ▶ marks the peak, | where the formula's total would end. At most `width` wide."""
+    stacked bar; ▶ marks the peak, | the formula's total. At most `width` columns wide."""
     bar, top, out = width - 62, _top(panels, cuda=False), []
     col = lambda b: round(b * bar / top)  # noqa: E731
     for p in panels:
@@ -1080,8 +1079,8 @@ def timeline_text(panels, width=100):
             for kind in STACK:
                 row += CHARS[kind] * (col(cum + e[kind]) - col(cum))
                 cum += e[kind]
-            if len(row) < col(formula):
-                row = row.ljust(col(formula) - 1) + "|"
+            c = max(col(formula), 1)  # the formula's total: a | in (or after) the bar
+            row = row[:c - 1].ljust(c - 1) + "|" + row[c:]
             out.append(f"{'▶' if j == peak else ' '} {e['event'][:34]:<34} {_si(e['params']):>7} "
                        f"{_si(e['grads']):>7} {_si(e['optimizer']):>7} {row}")
         out.append(f"  ▶ peak {_si(_total(ev[peak]))}B at event {peak + 1} of {len(ev)}: "
@@ -1139,12 +1138,12 @@ def timeline_svg(panels):
                        f'fill="{COLORS[kind]}" d="M{d} Z"><title>{kind}</title></path>')
             low = high
         level = 0
-        for kind in STACK:
+        for kind in STACK:  # labels right, left, right: they do not overlap where lines are close
             level += p["formula"][kind]
+            at = f'x="{x0 + 2}"' if kind == "params" else f'x="{x0 + W - 2}" text-anchor="end"'
             svg.append(f'<line class="formula {kind}" x1="{x0}" x2="{x0 + W}" y1="{y(level):.1f}"'
                        f' y2="{y(level):.1f}" stroke="black" stroke-dasharray="4 2"/><text '
-                       f'x="{x0 + W - 2}" y="{y(level) - 3:.1f}" text-anchor="end">{kind} '
-                       f'{p["symbols"][kind]}</text>')
+                       f'{at} y="{y(level) - 3:.1f}">{kind} {p["symbols"][kind]}</text>')
         if cuda:
             line = " ".join(f"{x:.1f},{y(e['cuda'] or 0):.1f}" for x, e in zip(mid, ev))
             svg.append(f'<polyline class="cuda" points="{line}" fill="none" stroke="black" '
@@ -1161,7 +1160,7 @@ def timeline_svg(panels):
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
             svg.append(f'<line x1="{x0 + j * dx:.1f}" x2="{x0 + j * dx:.1f}" y1="{T}" '
                        f'y2="{T + H}" stroke="#444" stroke-dasharray="1 3"/><text '
-                       f'x="{x0 + j * dx + 3:.1f}" y="{T + 12}">step</text>')
+                       f'x="{x0 + j * dx - 3:.1f}" y="{T + H - 4}" text-anchor="end">step</text>')
         svg.append(f'<text x="{x0}" y="{T - 8}" font-size="13">stage {p["stage"]}: '
                    f'{STAGE_NAMES[p["stage"]].split(":")[0]}</text><text x="{x0}" '
                    f'y="{T + H + 15}">{len(ev)} events of step {p["step"]}, in order</text>')
