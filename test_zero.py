@@ -1413,3 +1413,115 @@ def test_default_units_find_the_blocks_at_any_depth():
         assert zero.default_units(model) == list(blocks), type(model).__name__
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))  # no repeated blocks: children
     assert zero.default_units(flat) == [flat[0], flat[2]]
+
+
+# ----------------------------------------------------------------------------------------------
+# The timeline of one step (--timeline, --timeline-all): what it records, draws and prints
+
+TINY = ["--d-model", "16", "--n-layer", "2", "--n-head", "2", "--seq-len", "16",
+        "--batch-size", "2", "--steps", "3"]
+
+
+def timeline_runs(rank, world):
+    # zero.main() itself, in the spawned ranks: --timeline-all, then --timeline on stage 3 in
+    # bf16; memory_breakdown() is sampled right after every event the Meter records.
+    sampled, runs, event = [], {}, zero.Meter.event
+
+    def sample(meter, what, unit=None):
+        event(meter, what, unit)
+        if meter.timeline is not None:
+            z = meter.zero
+            sampled.append((z.stage, dict(meter.timeline[-1]), z.memory_breakdown()))
+    zero.Meter.event = sample
+    tmp = os.environ["ZERO_TEST_TMP"]
+    for name, args in [("all", ["--timeline-all"]),
+                       ("bf16", ["--bf16", "--stage", "3", "--timeline"])]:
+        path, printed = os.path.join(tmp, f"{name}.svg"), io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            zero.main([*args, path, *TINY])
+        runs[name] = {"stdout": printed.getvalue(), "sampled": sampled[:],
+                      "svg": open(path, encoding="utf-8").read() if rank == 0 else None}
+        sampled.clear()
+    zero.Meter.event = event
+    return runs
+
+
+@pytest.fixture(scope="module")
+def timelines():
+    return spawn(2, "timeline_runs")
+
+
+def test_timeline_events_are_what_memory_breakdown_measures(timelines):
+    for rank, runs in enumerate(timelines):
+        for name, stages in [("all", range(4)), ("bf16", [3])]:
+            sampled = runs[name]["sampled"]
+            assert sorted({s for s, _, _ in sampled}) == list(stages)
+            for entry_stage, entry, measured in sampled:
+                assert {k: entry[k] for k in measured} == measured, (rank, name, entry)
+                assert entry["cuda"] is None  # no GPU here: no second curve
+            for stage in stages:
+                events = [e for s, e, _ in sampled if s == stage]
+                labels = " / ".join(e["event"] for e in events)
+                assert events[0]["event"] == "before forward" and "optimizer step" in labels
+                assert ("all-reduce of unit 1 launched" in labels) == (stage == 0), labels
+                assert ("reduce-scatter of unit 1 landed" in labels) == (stage > 0), labels
+                assert ("gradient buffer of unit 1 made" in labels) == (stage >= 2), labels
+                assert ("all-gather unit 1 after the step" in labels) == (stage in (1, 2)), labels
+                params, grads = [e["params"] for e in events], [e["grads"] for e in events]
+                if stage == 3:  # the sawtooth: gathered and freed, back to the shard at the end
+                    assert "gather unit 0" in labels and "free unit 0" in labels
+                    assert max(params) > params[0] == params[-1]
+                    assert sum(b > a for a, b in zip(params, params[1:])) >= 4
+                else:
+                    assert len(set(params)) == 1
+                if stage >= 2:  # the full gradients of a unit or two, each reduce-scattered away
+                    assert max(grads) > grads[0] == grads[-1]
+
+
+def test_timeline_svg_has_one_band_per_kind_and_stage(timelines):
+    import xml.etree.ElementTree as ET
+    for name, stages in [("all", range(4)), ("bf16", [3])]:
+        root = ET.fromstring(timelines[0][name]["svg"])
+        ns = "{http://www.w3.org/2000/svg}"
+        bands = [(int(p.get("data-stage")), p.get("class").split()[1])
+                 for p in root.iter(ns + "path") if p.get("class", "").startswith("band ")]
+        assert sorted(bands) == [(s, k) for s in stages for k in sorted(zero.STACK)]
+        assert len([c for c in root.iter(ns + "circle") if c.get("class") == "peak"]) == len(stages)
+        formula = [x for x in root.iter(ns + "line") if "formula" in x.get("class", "")]
+        assert len(formula) == 3 * len(stages)
+        assert not [x for x in root.iter(ns + "polyline") if x.get("class") == "cuda"]
+
+
+def test_timeline_text_fits_100_columns(timelines):
+    for name, stages in [("all", range(4)), ("bf16", [3])]:
+        out = timelines[0][name]["stdout"]
+        assert timelines[1][name]["stdout"] == ""  # rank 0 alone prints
+        text = out[out.index("\nstage"):]
+        assert max(len(line) for line in text.splitlines()) <= 100
+        number = r" +(\d[\d.]*[kMG]?)"  # bytes as printed: 43.78k
+        rows = [m for m in (re.match(r"([▶ ]) (.{34})" + 3 * number + " [░█▒| ]*$", line)
+                            for line in text.splitlines()) if m]
+        events = [e for s, e, _ in timelines[0][name]["sampled"]]
+        assert [m[2].rstrip() for m in rows] == [e["event"][:34] for e in events]
+        assert [m[3] for m in rows] == [zero._si(e["params"]) for e in events]
+        assert sum(m[1] == "▶" for m in rows) == len(stages)
+        assert out.count("  ▶ peak ") == len(stages) and "wrote " in out
+    assert "model state per rank" in timelines[0]["bf16"]["stdout"]  # --timeline: the report too
+
+
+def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
+    cases = [(["--timeline", str(tmp_path)], "is a directory"),
+             (["--timeline", str(tmp_path / "t.svg"), "--steps", "1"], "--steps must be 2"),
+             (["--timeline", "a.svg", "--timeline-all", "b.svg"], "choose one"),
+             (["--timeline-all", str(tmp_path / "t.svg"), "--ckpt-dir", str(tmp_path)],
+              "--ckpt-dir"),
+             (["--timeline", "t.svg", "--estimate", "--params", "1e9", "--world-size", "8"],
+              "--estimate")]
+    for args, message in cases:  # refused before any process group or training
+        with pytest.raises(zero.UsageError, match=re.escape(message)):
+            zero.main(args)
+    out = run_py("--timeline", str(tmp_path / "missing" / "t.svg"))  # and from the command line
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("zero.py: error: cannot write ")
+    assert "no such writable" in out.stderr
+    assert "step " not in out.stdout and os.listdir(tmp_path) == []

@@ -949,6 +949,7 @@ class Meter:
 
     def __init__(self, zero):
         self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
+        self.timeline = None  # a list while one step is recorded (--timeline, below)
         zero.comm, zero.peak = Counter(), Counter()
 
     def sent(self, kind, full, unit=None):
@@ -996,6 +997,8 @@ class Meter:
             self.now["optimizer"] = self.optimizer_bytes()
         for kind, n in self.now.items():
             self.zero.peak[kind] = max(self.zero.peak[kind], n)
+        if self.timeline is not None:
+            self.timeline.append(timeline_entry(self.zero, what, unit))
 
 
 # The formulas (the paper's Figure 1 and Section 7), printed next to what is measured
@@ -1039,6 +1042,226 @@ def estimate(psi, world):
         print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<30} {m['params']:>7.2f} GB "
               f"{m['grads']:>7.2f} GB {m['optimizer']:>7.2f} GB {sum(m.values()):>7.1f} GB   "
               f"{traffic[stage]} = {elements:.3g} elements")
+
+
+# The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
+# step, as Meter.event sees them, drawn as stacked bands (an SVG file) and as text (the
+# terminal). It shows what the tables only sum up: stage 0 holds everything all step long,
+# stage 1 cuts the optimizer band, stage 2's gradients rise and fall unit by unit during
+# backward, stage 3's parameters are a sawtooth of gathers and frees.
+
+STACK = ("optimizer", "params", "grads")  # bottom to top: the steady band under the moving ones
+COLORS = {"optimizer": "#59a14f", "params": "#4e79a7", "grads": "#f28e2b"}
+CHARS = {"optimizer": "░", "params": "█", "grads": "▒"}
+
+
+def start_timeline(zero):
+    """From now on every Meter.event appends its moment to zero.meter.timeline; the first one
+    measures everything."""
+    zero.meter.timeline = []
+    zero.meter.event("before forward")
+
+
+def stop_timeline(zero):
+    timeline, zero.meter.timeline = zero.meter.timeline, None
+    return timeline
+
+
+def timeline_entry(zero, what, unit):
+    """{"event": what happened, params, grads, optimizer: bytes this rank holds after it (with
+    what is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
+    i = None if unit is None else zero.units.index(unit)
+    reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
+    label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
+             "reduction launched": f"{reduction} of unit {i} launched",
+             "reduction landed": f"{reduction} of unit {i} landed",
+             "gradient buffer": f"gradient buffer of unit {i} made",
+             "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
+             "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
+    device = zero.units[0].flat.device
+    return {"event": label, **{k: zero.meter.now[k] for k in STACK},
+            "cuda": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
+
+
+def timeline_panel(res, args):
+    """What one run's picture needs: its events and the formula's level of each kind."""
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter, as in report()
+    s = res["stage"]
+    return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
+            "events": res["timeline"], "dtype": "bf16 mixed precision" if args.bf16 else "fp32",
+            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob),
+            "symbols": {"params": f"{pb}Ψ" + "/N" * (s >= 3), "grads": f"{gb}Ψ" + "/N" * (s >= 2),
+                        "optimizer": f"{ob}Ψ" + "/N" * (s >= 1)}}
+
+
+def _total(e):
+    return sum(e[k] for k in STACK)
+
+
+def _peak(events):  # the first event after which the most is held
+    return max(range(len(events)), key=lambda j: _total(events[j]))
+
+
+def _top(panels, cuda):  # the top of the byte axis all panels share
+    return max(max(sum(p["formula"].values()), _total(e), cuda and e["cuda"] or 0)
+               for p in panels for e in p["events"])
+
+
+def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n:.0f}"
+
+
+def timeline_text(panels, width=100):
+    """The panels as text on one scale, one row per event: the bytes of each kind after it and a
+    stacked bar; ▶ marks the peak, | the formula's total. At most `width` columns wide."""
+    bar, top, out = width - 62, _top(panels, cuda=False), []
+    col = lambda b: round(b * bar / top)  # noqa: E731
+    for p in panels:
+        ev, formula, peak = p["events"], sum(p["formula"].values()), _peak(p["events"])
+        out += [f"stage {p['stage']}, {STAGE_NAMES[p['stage']].split(':')[0]}: model-state bytes "
+                f"of rank 0 after each event of step {p['step']} (N = {p['world']})",
+                f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
+                f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
+                f"  {'event':<34} {'params':>7} {'grads':>7} {'optim':>7}"]
+        for j, e in enumerate(ev):
+            cum, row = 0, ""
+            for kind in STACK:
+                row += CHARS[kind] * (col(cum + e[kind]) - col(cum))
+                cum += e[kind]
+            c = max(col(formula), 1)  # the formula's total: a | in (or after) the bar
+            row = row[:c - 1].ljust(c - 1) + "|" + row[c:]
+            out.append(f"{'▶' if j == peak else ' '} {e['event'][:34]:<34} {_si(e['params']):>7} "
+                       f"{_si(e['grads']):>7} {_si(e['optimizer']):>7} {row}")
+        out.append(f"  ▶ peak {_si(_total(ev[peak]))}B at event {peak + 1} of {len(ev)}: "
+                   f"{ev[peak]['event']}")
+        if ev[0]["cuda"] is not None:
+            j = max(range(len(ev)), key=lambda j: ev[j]["cuda"])
+            out.append(f"  torch.cuda.memory_allocated (activations too): most "
+                       f"{_si(ev[j]['cuda'])}B at {ev[j]['event']}")
+        out.append("")
+    return "\n".join(out)
+
+
+def timeline_svg(panels):
+    """The panels side by side on one byte axis: per panel one band (a <path>) per kind, stacked,
+    the formula's level of each kind (stacked the same way) dashed, the peak marked, and on
+    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event."""
+    from html import escape
+    W, H, GAP, L, T = 300, 240, 40, 70, 78  # a panel's width and height, gap, left, top margins
+    top = _top(panels, cuda=True) * 1.08
+    y = lambda b: T + H - H * b / top  # noqa: E731
+    tick = 1
+    while tick * 10 <= top / 4:
+        tick *= 10
+    tick *= next(m for m in (1, 2, 5, 10) if tick * m * 6 >= top)  # at most 6 ticks
+    p0, right = panels[0], L + len(panels) * (W + GAP)
+    title = (f'Model-state bytes of rank 0 after each event of one training step (N = '
+             f'{p0["world"]}, Ψ = {p0["psi"]:,}, {p0["dtype"]} AdamW)')
+    svg = [f'<text x="{L}" y="20" font-size="14">{title}</text>']
+    cuda = any(e["cuda"] is not None for p in panels for e in p["events"])
+    legend = [(f'<rect width="10" height="10" y="-9" fill="{COLORS[k]}"/>', k) for k in STACK[::-1]]
+    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-dasharray="4 2"/>',
+                "formula, stacked"), ('<circle cx="5" cy="-4" r="4" fill="red"/>', "peak")]
+    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-width="2"/>',
+                "torch.cuda.memory_allocated (activations included)")] * cuda
+    x = L
+    for mark, text in legend:
+        svg.append(f'<g transform="translate({x},44)">{mark}<text x="18">{text}</text></g>')
+        x += 30 + 7 * len(text)
+    width = max(right, x, L + 8 * len(title))
+    for k in range(int(top // tick) + 1):  # the byte axis, shared by every panel
+        svg.append(f'<line x1="{L}" x2="{right - GAP}" y1="{y(k * tick):.1f}" '
+                   f'y2="{y(k * tick):.1f}" stroke="#ddd"/><text x="{L - 5}" '
+                   f'y="{y(k * tick) + 4:.1f}" text-anchor="end">{_si(k * tick)}B</text>')
+    for i, p in enumerate(panels):
+        ev, x0 = p["events"], L + i * (W + GAP)
+        dx = W / len(ev)
+        mid = [x0 + (j + 0.5) * dx for j in range(len(ev))]
+        low = [0] * len(ev)
+        for kind in STACK:  # a band: along its top edge, back along its bottom edge
+            high = [a + e[kind] for a, e in zip(low, ev)]
+            edge = [(x0 + (j + h) * dx, high[j]) for j in range(len(ev)) for h in (0, 1)]
+            edge += [(x0 + (j + h) * dx, low[j]) for j in reversed(range(len(ev))) for h in (1, 0)]
+            d = " L".join(f"{a:.1f},{y(b):.1f}" for a, b in edge)
+            svg.append(f'<path class="band {kind}" data-stage="{p["stage"]}" '
+                       f'fill="{COLORS[kind]}" d="M{d} Z"><title>{kind}</title></path>')
+            low = high
+        level = 0
+        for kind in STACK:  # labels right, left, right: they do not overlap where lines are close
+            level += p["formula"][kind]
+            at = f'x="{x0 + 2}"' if kind == "params" else f'x="{x0 + W - 2}" text-anchor="end"'
+            svg.append(f'<line class="formula {kind}" x1="{x0}" x2="{x0 + W}" y1="{y(level):.1f}"'
+                       f' y2="{y(level):.1f}" stroke="black" stroke-dasharray="4 2"/><text '
+                       f'{at} y="{y(level) - 3:.1f}">{kind} {p["symbols"][kind]}</text>')
+        if cuda:
+            line = " ".join(f"{x:.1f},{y(e['cuda'] or 0):.1f}" for x, e in zip(mid, ev))
+            svg.append(f'<polyline class="cuda" points="{line}" fill="none" stroke="black" '
+                       f'stroke-width="2"/>')
+        for j, e in enumerate(ev):  # the event under the pointer
+            svg.append(f'<rect x="{x0 + j * dx:.1f}" y="{T}" width="{dx:.1f}" height="{H}" '
+                       f'fill="transparent"><title>{j + 1}. {escape(e["event"])}: params '
+                       f'{e["params"]:,}, grads {e["grads"]:,}, optimizer {e["optimizer"]:,}'
+                       f'</title></rect>')
+        j = _peak(ev)
+        svg.append(f'<circle class="peak" cx="{mid[j]:.1f}" cy="{y(_total(ev[j])):.1f}" r="4" '
+                   f'fill="red"/><text x="{x0}" y="{T + H + 30}">peak {_si(_total(ev[j]))}B at '
+                   f'event {j + 1}: {escape(ev[j]["event"])}</text>')
+        for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
+            svg.append(f'<line x1="{x0 + j * dx:.1f}" x2="{x0 + j * dx:.1f}" y1="{T}" '
+                       f'y2="{T + H}" stroke="#444" stroke-dasharray="1 3"/><text '
+                       f'x="{x0 + j * dx - 3:.1f}" y="{T + H - 4}" text-anchor="end">step</text>')
+        svg.append(f'<text x="{x0}" y="{T - 8}" font-size="13">stage {p["stage"]}: '
+                   f'{STAGE_NAMES[p["stage"]].split(":")[0]}</text><text x="{x0}" '
+                   f'y="{T + H + 15}">{len(ev)} events of step {p["step"]}, in order</text>')
+        svg.append(f'<rect x="{x0}" y="{T}" width="{W}" height="{H}" fill="none" stroke="#999"/>')
+    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{T + H + 40}" '
+            f'font-family="sans-serif" font-size="11">',
+            '<rect width="100%" height="100%" fill="white"/>']
+    return "\n".join(head + svg + ["</svg>", ""])
+
+
+def show_timeline(panels, path):
+    """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
+    if dist.get_rank() == 0:
+        print("\n" + timeline_text(panels), flush=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(timeline_svg(panels))
+        print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
+
+
+def train_every_stage(args):
+    """--timeline-all: train stages 0-3 in turn, in this one process group with the same args,
+    recording the last step of each; rank 0 draws the four side by side."""
+    panels = []
+    for stage in range(4):
+        res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
+        panels.append(timeline_panel(res, args))
+        ev = panels[-1]["events"]
+        log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
+             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(ev)} events, "
+             f"peak {_si(_total(ev[_peak(ev)]))}B")
+    show_timeline(panels, args.timeline_all)
+
+
+def check_timeline_args(args):
+    """--timeline, --timeline-all: bad input is a UsageError before anything runs."""
+    path = args.timeline or args.timeline_all
+    if args.timeline and args.timeline_all:
+        raise UsageError("--timeline and --timeline-all: choose one")
+    if args.estimate or args.consolidate:
+        raise UsageError("--timeline and --timeline-all draw a training run: not with "
+                         "--estimate or --consolidate")
+    if args.steps < 2:
+        raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
+    if args.timeline_all and args.ckpt_dir:
+        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
+                         if not os.path.isdir(path) else f"{path} is a directory")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1655,11 +1878,14 @@ def train(args, build=None, keep_params=False, quiet=False):
                 f"{data_position(args, world)}): training goes on, on other batches")
     counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
     times, losses, sent, mem, start = [], [], [], None, Counter(opt.comm)
+    record, timeline = getattr(args, "record_step", None), None  # --timeline: this step's events
     if first > args.steps:
         log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is {args.steps}")
         return None
     for step in range(first, args.steps + 1):
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
+        if step == record:
+            start_timeline(opt)
         loss_sum = torch.zeros((), device=device)
         with counting():
             for micro in range(args.grad_accum):
@@ -1672,6 +1898,7 @@ def train(args, build=None, keep_params=False, quiet=False):
                 loss_sum += loss.detach()
             norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
             opt.step()
+            timeline = stop_timeline(opt) if step == record else timeline
             mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state is held
             opt.zero_grad()
         if device.type == "cuda":
@@ -1694,6 +1921,7 @@ def train(args, build=None, keep_params=False, quiet=False):
             "times": times, "sent": sent, "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
             "mem": dict(zip(kinds, most[:3])), "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
+            "timeline": timeline,
             "full": opt.full_state_dict() if keep_params else None}
 
 
@@ -1819,7 +2047,14 @@ def main(argv=None):
     p.add_argument("--init-from", metavar="FILE", help="start from a plain state_dict file, e.g. from --consolidate")
     p.add_argument("--consolidate", metavar="DIR", help="write the newest checkpoint in DIR as one plain state_dict (--out) and exit")
     p.add_argument("--out", metavar="FILE", help="--consolidate: the file to write")
+    p.add_argument("--timeline", metavar="FILE.svg",
+                   help="draw the model-state bytes after every event of the last step")
+    p.add_argument("--timeline-all", metavar="FILE.svg",
+                   help="train stages 0-3 in turn and draw their timelines side by side")
     args = check_args(p.parse_args(argv))
+    if args.timeline or args.timeline_all:
+        check_timeline_args(args)
+        args.record_step = args.steps
     if args.ckpt_every and not args.ckpt_dir:
         raise UsageError("--ckpt-every needs --ckpt-dir")
     if args.estimate:
@@ -1835,10 +2070,14 @@ def main(argv=None):
         m = consolidate(path, args.out)
         print(f"wrote {args.out}: {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
               f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")
+    elif args.timeline_all:
+        train_every_stage(args)
     else:
         res = train(args)
         if res is not None:
             report(res, args)
+            if args.timeline:
+                show_timeline([timeline_panel(res, args)], args.timeline)
 
 
 PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out", "timed out", "NCCL")
