@@ -1525,3 +1525,116 @@ def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
     assert out.stderr.startswith("zero.py: error: cannot write ")
     assert "no such writable" in out.stderr
     assert "step " not in out.stdout and os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Hybrid sharding: shard within groups of G = 2 ranks, replicate across the N/G = 2 groups
+
+def hybrid(rank, world):
+    out, rows, G = {}, slice(rank * B, (rank + 1) * B), 2
+    for stage in range(4):
+        for case in ("adamw", "sgd-accum"):
+            model, opt = wrapped(rank, stage, case, seed=100, shard_size=G)
+            comm, mem = [dict(opt.comm)], []
+
+            def after_step():
+                mem.append(opt.memory_breakdown())
+                comm.append(dict(opt.comm))
+            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, after_step=after_step)
+            out[(stage, case)] = {"full": opt.full_state_dict(), "layout": layout(opt), "mem": mem[-1],
+                                  "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b}
+                                           for a, b in zip(comm, comm[1:])]}
+    # Checkpoints: written with G = 2 at stage 3, read with G = 4 at stage 1 and with G = 1 at
+    # stage 2, trained on: as 4 uninterrupted steps. And load_state_dict(state_dict()) at G = 2.
+    root = os.path.join(os.environ["ZERO_TEST_TMP"], "hybrid")
+    case = "adamw"
+    model, opt = wrapped(rank, 3, case, seed=100, shard_size=G)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 4)
+    out["straight"] = opt.full_state_dict()
+    model, opt = wrapped(rank, 3, case, seed=100, shard_size=G)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
+    zero.save_checkpoint(opt, root, 2)
+    out["saved"] = opt.full_state_dict()
+    out["files"] = sorted(os.listdir(zero.latest_checkpoint(root)))
+    for name, stage, shard_size in [("G4", 1, None), ("G1", 2, 1)]:
+        model, opt = wrapped(rank, stage, case, seed=500, shard_size=shard_size)
+        zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+        out[name + " loaded"] = opt.full_state_dict()
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
+        out[name] = opt.full_state_dict()
+    model, opt = wrapped(rank, 2, case, seed=100, shard_size=G)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
+    own = opt.state_dict()
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 1, start=2)
+    opt.load_state_dict(own)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
+    out["own"] = opt.full_state_dict()
+    try:
+        wrapped(rank, 1, case, seed=100, shard_size=3)
+        out["bad"] = None
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs():
+    return spawn(4, "hybrid")
+
+
+@pytest.mark.parametrize("case", ["adamw", "sgd-accum"])
+@pytest.mark.parametrize("stage", range(4))
+def test_hybrid_sharding_matches_the_reference(hybrid_runs, stage, case):
+    want = reference(case, 4)
+    for res in hybrid_runs:
+        got = res[(stage, case)]["full"]
+        for name, t in want.items():
+            assert (got[name] - t).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", ["adamw", "sgd-accum"])
+@pytest.mark.parametrize("stage", range(4))
+def test_hybrid_memory_and_communication_by_group(hybrid_runs, stage, case):
+    N, G = 4, 2
+    R, k = N // G, CASES[case]["accum"]
+    for res in hybrid_runs:
+        rec = res[(stage, case)]
+        lay, S = rec["layout"], sum(rec["layout"]["S"])  # S: a unit's 1/G, padded to a multiple of N
+        units = len(lay["S"])
+        # memory: what is sharded is 1/G of the model, not 1/N
+        full = 4 * G * S
+        adam = (2 * full // G if stage >= 1 else 2 * full) + 4 * units  # m, v and step counters
+        assert rec["mem"] == {"params": full // G if stage >= 3 else full,
+                              "grads": full // G if stage >= 2 else full,
+                              "optimizer": adam if case == "adamw" else 0}  # plain SGD: no state
+        assert zero.memory_formula(stage, lay["psi"], N, shard_size=G)["optimizer"] == \
+            pytest.approx(8 * lay["psi"] / (G if stage else 1))
+        # communication: reduce-scatters and all-gathers inside a group of G, the all-reduce of
+        # each 1/G shard across the R groups
+        if stage == 0:
+            want = {"all_reduce": 2 * 4 * (N - 1) * G * S / N}
+        else:
+            want = expected_comm(stage, case, G, lay)
+            want["all_reduce"] -= CHECK * (G - 1) / G
+            reductions = 1 if stage == 1 else k
+            want["all_reduce across groups"] = reductions * 2 * (R - 1) / R * 4 * S
+        want["all_reduce"] = want.get("all_reduce", 0) + (CHECK * (N - 1) / N if stage == 0 else 0)
+        if stage:
+            want["all_reduce"] += CHECK * (N - 1) / N
+        for step in rec["comm"]:
+            assert {k2: v for k2, v in step.items() if v} == {k2: v for k2, v in want.items() if v}
+        formula = zero.comm_formula(stage, lay["psi"], N, micro_batches=k, shard_size=G)
+        if stage:
+            assert formula["all_reduce across groups"] == pytest.approx(
+                want["all_reduce across groups"], rel=0.05)
+
+
+def test_hybrid_checkpoints_load_at_any_shard_size_stage_and_world(hybrid_runs):
+    for res in hybrid_runs:
+        assert res["files"] == ["manifest.json"] + [f"rank_{r:05d}.pt" for r in range(4)]
+        for n, t in res["straight"].items():
+            assert torch.equal(t, res["own"][n]), n  # the same G and stage: bit for bit
+            for name in ("G4", "G1"):  # every value loaded exactly; trained on at another G and
+                assert torch.equal(res["saved"][n], res[name + " loaded"][n]), (name, n)
+                assert (t - res[name][n]).abs().max().item() <= 1e-5, (name, n)  # stage: rounding
+        assert res["bad"] and "shard_size must divide the world size 4" in res["bad"]

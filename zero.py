@@ -99,19 +99,20 @@ def setup(backend=None, device=None, timeout_s=120):
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
 # units=[] everything is one unit, the root. Default: default_units(model) (Part II).
+# Hybrid sharding (shard_size=G, Part II): the same with G shards, each held by N/G ranks.
 
 class Unit:
-    def __init__(self, modules, params, rank, world):
+    def __init__(self, modules, params, rank, world, G):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world)                # shard size: ceil(numel / N)
-        self.flat = torch.zeros(world * self.S, dtype=params[0].dtype, device=params[0].device)
+        self.S = -(-numel // world) * world // G   # shard size: ceil(numel / N) when G = N
+        self.flat = torch.zeros(G * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
             self.flat[o:o + p.numel()].copy_(p.detach().flatten())
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
-        self.mine = slice(rank * self.S, (rank + 1) * self.S)  # the elements this rank owns
+        self.mine = slice(rank % G * self.S, (rank % G + 1) * self.S)  # the elements it owns
         self.shard = self.flat[self.mine]  # [S] this rank's part of the parameters
         self.master = self.shard    # what the optimizer steps: the shard, or its fp32 copy
         self.grad = None            # [N*S] the full gradient, while this rank holds one
@@ -136,19 +137,19 @@ class Unit:
 # (rank r receives the sum over ranks of slice r) then all-gather (every rank receives every
 # rank's slice). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, no extra memory.
 
-def reduce_scatter(out, x, async_op=False):
+def reduce_scatter(out, x, async_op=False, group=None):
     """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
-    Only out is defined afterwards: the rest of x may have changed."""
+    Only out is defined afterwards: the rest of x may have changed. (group: its ranks only.)"""
     if _gloo_cpu(x):  # gloo's own is slow on CPU: the same bytes another way (Part II, speed)
-        return _gloo_reduce_scatter(out, x, async_op)
-    return dist.reduce_scatter_tensor(out, x, async_op=async_op)
+        return _gloo_reduce_scatter(out, x, async_op, group)
+    return dist.reduce_scatter_tensor(out, x, async_op=async_op, group=group)
 
 
-def all_gather(out, shard, async_op=False):
+def all_gather(out, shard, async_op=False, group=None):
     """out [N*S] = every rank's shard [S], in rank order. shard may be this rank's slice of out."""
     if _gloo_cpu(out):
-        return _gloo_all_gather(out, shard, async_op)
-    return dist.all_gather_into_tensor(out, shard, async_op=async_op)
+        return _gloo_all_gather(out, shard, async_op, group)
+    return dist.all_gather_into_tensor(out, shard, async_op=async_op, group=group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,10 +165,11 @@ class DataParallel:
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None,
-                 overlap=True, bucket_bytes=0, check_steps=True):
+                 overlap=True, bucket_bytes=0, check_steps=True, shard_size=None):
         self.model, self.overlap, self.bucket_bytes = model, overlap, bucket_bytes
         self.check_steps = check_steps  # compare what ranks communicated, every step (checks)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.G = shard_size or self.world  # the ranks a unit is sharded over (hybrid: G < N)
         # Mixed precision: compute in param_dtype, reduce in reduce_dtype, step fp32 masters.
         self.mixed_precision = param_dtype is not None
         self.reduce_dtype = reduce_dtype or (torch.float32 if self.mixed_precision else None)
@@ -175,6 +177,7 @@ class DataParallel:
         self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable params
         self.in_flight, self.meter = InFlight(self), Meter(self)  # (speed; measurement)
         check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
+        self.shard_group, self.replica_group = hybrid_groups(self)  # None: all ranks; none
         # Start from rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
         for t in [u.flat for u in self.units] + [t for _, t in replicated(model)]:
             dist.broadcast(t.data, src=0)
@@ -367,7 +370,8 @@ class ZeRO1(DataParallel):
         # Half the all-reduce (the other half comes after the step, on the parameters), in
         # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
         self.meter.sent("reduce_scatter", g, unit)
-        return reduce_scatter(g[unit.mine], g, async_op=True), g[unit.mine]
+        work = reduce_scatter(g[unit.mine], g, async_op=True, group=self.shard_group)
+        return across_replicas(self, work, g[unit.mine], unit), g[unit.mine]  # (hybrid sharding)
 
     def _land(self, unit, mine):
         # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer its own
@@ -385,13 +389,13 @@ class ZeRO1(DataParallel):
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
-        dist.all_reduce(squares)
-        self.meter.sent("all_reduce", squares)
+        dist.all_reduce(squares, group=self.shard_group)  # the G shards hold the whole model
+        self.meter.sent("all_reduce", squares, ranks=self.G)
         return squares
 
     def _gather_params(self):
         for unit in self.units:  # in place: this rank's stepped shard is a slice of flat
-            all_gather(unit.flat, unit.shard)
+            all_gather(unit.flat, unit.shard, group=self.shard_group)
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("all-gather after the step", unit)
 
@@ -479,7 +483,7 @@ class ZeRO3(ZeRO2):
     def _gather(self, unit, prefetch=False):
         if not unit.gathered:
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch)  # [N*S] <- N x [S]
+            unit.prefetch = all_gather(unit.flat, unit.shard, prefetch, self.shard_group)  # N x [S]
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("gather", unit)
             unit.gathered_at = self.steps
@@ -580,7 +584,7 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
 def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-         bucket_bytes=0, check_steps=True):
+         bucket_bytes=0, check_steps=True, shard_size=None):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with.
 
@@ -593,14 +597,16 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     into buckets of this many bytes, walking back from the last parameter, merging small units
     and splitting large ones at parameter boundaries (0: every unit is its own bucket); stage 3
     ignores it. check_steps: one 16-byte all-reduce per step that stops ranks that
-    communicated different units before anything is applied (check_step_agrees)."""
+    communicated different units before anything is applied (check_step_agrees). shard_size:
+    G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and replicate over
+    the N/G groups (hybrid_groups; default N)."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
         setup()
     return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes,
-                         check_steps=check_steps)
+                         check_steps=check_steps, shard_size=shard_size)
 
 
 # =================================== PART II: THE ENGINEERING =================================
@@ -647,6 +653,9 @@ def make_units(zero, model, modules):
     if any(hasattr(p, "_zero_unit") for p in model.parameters()):
         raise ValueError("zero: this model is wrapped already (wrap() changes it in place): "
                          "build a new model to wrap it again")
+    if not (isinstance(zero.G, int) and 0 < zero.G <= zero.world and zero.world % zero.G == 0):
+        raise ValueError(f"zero: shard_size must divide the world size {zero.world}, "
+                         f"not {zero.G!r}")
     modules = default_units(model) if modules is None else list(modules)
     inside = {id(m) for m in model.modules() if m is not model}
     if any(id(m) not in inside for m in modules):
@@ -666,7 +675,7 @@ def make_units(zero, model, modules):
     for _, params in groups:  # one flat buffer holds one dtype on one device
         if any((p.dtype, p.device) != (params[0].dtype, params[0].device) for p in params):
             raise ValueError("zero: the parameters of one unit must share dtype and device")
-    units = [Unit(mods, params, zero.rank, zero.world) for mods, params in groups]
+    units = [Unit(mods, params, zero.rank, zero.world, zero.G) for mods, params in groups]
     for i, unit in enumerate(units):
         unit.index = i
         for p in unit.params:
@@ -678,6 +687,53 @@ def replicated(model):
     """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     return frozen + list(model.named_buffers())
+
+
+# ----------------------------------------------------------------------------------------------
+# Hybrid sharding (shard_size=G, --shard-size G): shard within a group of G ranks, replicate
+# across the N/G groups, as FSDP2 with a 2-D device mesh (HSDP) and DeepSpeed's hpZ and MiCS do.
+# Beyond one node, stage 3's all-gathers and reduce-scatter would cross the slow links between
+# nodes twice per step and more; with G = the GPUs of a node they stay inside it, and all that
+# crosses is an all-reduce of each rank's [S] gradient sum with the ranks holding the same shard
+# in the other groups. The price: what is sharded costs 1/G of it per rank, not 1/N.
+#
+#   N = 4, G = 2:  shard groups   {0, 1} {2, 3}   consecutive ranks, as a node's GPUs are
+#                  replica groups {0, 2} {1, 3}   the ranks that hold the same shard
+#
+# A step: reduce-scatter within the shard group, all-reduce of the shard across the replica
+# group, the optimizer on the shard, all-gather within the shard group.
+
+_GROUPS = {}  # (the default process group, G) -> every rank's groups: new_group is a collective
+
+
+def hybrid_groups(zero):
+    """(this rank's shard group, its replica group). With G = N: the default group, and no
+    replicas (None, None). Every rank makes every group, in the same order, once per process."""
+    N, G = zero.world, zero.G
+    if G == N:
+        return None, None
+    key = (id(dist.distributed_c10d._get_default_group()), G)
+    if key not in _GROUPS:
+        shards = [dist.new_group(list(range(g * G, (g + 1) * G))) for g in range(N // G)]
+        replicas = [dist.new_group(list(range(i, N, G))) for i in range(G)]
+        _GROUPS[key] = shards, replicas
+    shards, replicas = _GROUPS[key]
+    return shards[zero.rank // G], replicas[zero.rank % G]
+
+
+def across_replicas(zero, work, mine, unit):
+    """After the reduce-scatter within the shard group (work), the all-reduce of this rank's
+    [S] sum across its replica group, when work is waited for: the sum over all N ranks."""
+    if zero.replica_group is None:
+        return work
+    zero.meter.sent("all_reduce across groups", mine, unit, ranks=zero.world // zero.G)
+    return _Pending([work], lambda: dist.all_reduce(mine, group=zero.replica_group))
+
+
+def part_index(rank, world, G):
+    """The part of a checkpoint rank `rank` writes: rank itself, unless G < N, where the N/G
+    ranks holding one shard each write one Nth of it (units are padded to a multiple of N)."""
+    return rank % G * (world // G) + rank // G
 
 
 # ----------------------------------------------------------------------------------------------
@@ -708,9 +764,13 @@ class InFlight:
         self.land(wait=not self.zero.overlap)
 
     def land(self, wait=True):
-        # Oldest first, the same order as without overlap, so the sums are the same.
+        # Oldest first, the same order as without overlap, so the sums are the same. Landing one
+        # early because it happens to be complete is timing: with hybrid sharding landing starts
+        # a blocking all-reduce across groups, and every rank must start those at the same
+        # point of its program, or two groups wait on each other for ever.
+        early = self.zero.replica_group is None
         while self.queue and (wait or len(self.queue) > self.limit()
-                              or self.queue[0][0].is_completed()):
+                              or early and self.queue[0][0].is_completed()):
             work, unit, result = self.queue.pop(0)
             work.wait()
             self.zero._land(unit, result)
@@ -853,27 +913,30 @@ def _gloo_cpu(x):
     return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
 
 
-def _gloo_reduce_scatter(out, x, async_op):
-    S, rank, world = out.numel(), dist.get_rank(), dist.get_world_size()
+def _gloo_reduce_scatter(out, x, async_op, group=None):
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # rank j of the group: ranks[j]
+    S, rank, world = out.numel(), ranks.index(dist.get_rank()), len(ranks)
     if x.numel() * x.element_size() <= A2A_BYTES:
         received = torch.empty_like(x)  # row j: rank j's slice for this rank
-        work = dist.all_to_all_single(received, x, async_op=True)
+        work = dist.all_to_all_single(received, x, async_op=True, group=group)
         finish = lambda: torch.sum(received.view(world, S), 0, out=out)  # noqa: E731
         pending = _Pending([work], finish, [received])
     else:
-        works = [dist.reduce(x[j * S:(j + 1) * S], dst=j, async_op=True) for j in range(world)]
+        works = [dist.reduce(x[j * S:(j + 1) * S], dst=ranks[j], async_op=True, group=group)
+                 for j in range(world)]
         mine = x[rank * S:(rank + 1) * S]  # the sum lands here
         pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else
                            lambda: out.copy_(mine))
     return pending if async_op else pending.wait()
 
 
-def _gloo_all_gather(out, shard, async_op):
-    S, rank = shard.numel(), dist.get_rank()
+def _gloo_all_gather(out, shard, async_op, group=None):
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    S, rank = shard.numel(), ranks.index(dist.get_rank())
     if shard.data_ptr() != out[rank * S:].data_ptr():
         out[rank * S:(rank + 1) * S].copy_(shard)
-    works = [dist.broadcast(out[j * S:(j + 1) * S], src=j, async_op=True)
-             for j in range(dist.get_world_size())]
+    works = [dist.broadcast(out[j * S:(j + 1) * S], src=ranks[j], async_op=True, group=group)
+             for j in range(len(ranks))]
     pending = _Pending(works)
     return pending if async_op else pending.wait()
 
@@ -941,6 +1004,9 @@ def _nbytes(tensors):
     return sum(n for ptr, n in storages.items() if ptr)
 
 
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups")
+
+
 class Meter:
     """zero.comm: bytes sent per collective kind; zero.peak: the most model-state bytes held at
     any moment, per kind. Part I calls sent() at every collective and event() wherever memory
@@ -952,16 +1018,17 @@ class Meter:
         self.timeline = None  # a list while one step is recorded (--timeline, below)
         zero.comm, zero.peak = Counter(), Counter()
 
-    def sent(self, kind, full, unit=None):
+    def sent(self, kind, full, unit=None, ranks=None):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M
         bytes): all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. What
         replaces them on gloo (all_to_all or N reduces, N broadcasts) sends the same. The
         fingerprint of what was sent on which unit: see check_step_agrees."""
         z = self.zero
-        code = ("all_reduce", "reduce_scatter", "all_gather").index(kind)  # str hashes vary
+        code = KINDS.index(kind)  # not hash(kind): str hashes differ from process to process
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
-        times = 2 if kind == "all_reduce" else 1
-        z.comm[kind] += times * (z.world - 1) * full.numel() * full.element_size() / z.world
+        n = ranks or (z.G if kind in ("reduce_scatter", "all_gather") else z.world)  # in the ring
+        times = 2 if kind.startswith("all_reduce") else 1
+        z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
     def breakdown(self):
         """Bytes of model state this rank holds right now, summed over the storages really
@@ -1008,24 +1075,35 @@ STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharde
                "ZeRO-3: optimizer state + gradients + parameters sharded"]
 
 
-def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8):
+def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8, shard_size=None):
     """Model-state bytes per rank: stage >= 1 shards the optimizer state, >= 2 the gradients,
-    3 the parameters. Defaults: fp32 AdamW (m and v: K = 8). The paper: 2, 2, 12."""
-    return {"params": param_bytes * psi / (world if stage >= 3 else 1),
-            "grads": grad_bytes * psi / (world if stage >= 2 else 1),
-            "optimizer": optim_bytes * psi / (world if stage >= 1 else 1)}
+    3 the parameters, over N ranks (over G with hybrid sharding). Defaults: fp32 AdamW (m and v:
+    K = 8). The paper: 2, 2, 12."""
+    n = shard_size or world
+    return {"params": param_bytes * psi / (n if stage >= 3 else 1),
+            "grads": grad_bytes * psi / (n if stage >= 2 else 1),
+            "optimizer": optim_bytes * psi / (n if stage >= 1 else 1)}
 
 
-def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1):
+def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1,
+                 shard_size=None):
     """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k
     micro-batches stages 0 and 1 reduce once (all but the last in no_sync()), stages 2 and 3
-    reduce-scatter in every backward, and stage 3 gathers in every forward and backward."""
-    ring, k = (world - 1) / world * psi, micro_batches
+    reduce-scatter in every backward, and stage 3 gathers in every forward and backward. With
+    hybrid sharding (G < N) the reduce-scatters and all-gathers run among G ranks, and each
+    reduction adds an all-reduce of its 1/G across the R = N/G groups: the only bytes that
+    cross groups."""
+    G, k = shard_size or world, micro_batches
+    ring = (G - 1) / G * psi if stage else (world - 1) / world * psi
     g, r = ring * gather_bytes, ring * reduce_bytes
-    return [{"all_reduce": 2 * r},
-            {"reduce_scatter": r, "all_gather": g},
-            {"reduce_scatter": k * r, "all_gather": g},
-            {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
+    out = [{"all_reduce": 2 * r},
+           {"reduce_scatter": r, "all_gather": g},
+           {"reduce_scatter": k * r, "all_gather": g},
+           {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
+    R = world // G
+    if stage and R > 1:
+        out["all_reduce across groups"] = (1 if stage == 1 else k) * 2 * (R - 1) / R * psi / G * reduce_bytes
+    return out
 
 
 def estimate(psi, world):
@@ -1365,7 +1443,7 @@ def check_ranks_agree(zero, param_dtype):
     # garbage. So the first collective is a small one every rank can make: each of them.
     mine = {k: v for k, v in layout(zero).items() if k != "world_size"}
     settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
-                    overlap=zero.overlap, check_steps=zero.check_steps)
+                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.G)
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
               **{k: _digest(v) for k, v in settings.items()}}
     rows = _all_ranks(list(fields.values()), zero.units[0].flat.device)
@@ -1434,13 +1512,15 @@ def checkpoint_part(zero):
     """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
     unit's fp32 master weights and per-element optimizer state, optimizer scalars (Adam's step
     count) and hyper-parameters, the layout; rank 0 also the frozen parameters and buffers."""
-    units, scalars = [], {}
+    units, scalars, q = [], {}, part_index(zero.rank, zero.world, zero.G)
     for u in zero.units:
-        def mine(pieces):  # [S], a new tensor: stage 0 steps all N*S elements, writes 1/N
-            if zero.stage == 0:  # only the pieces' parts inside u.mine: no full copy
-                starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
-                pieces = [t[max(u.mine.start - a, 0):max(u.mine.stop - a, 0)]
-                          for t, a in zip(pieces, starts)]
+        S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
+        lo = q * S - u.owned.start  # where part q starts in what this rank steps (stage 0:
+        # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
+
+        def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
+            starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
+            pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
             return _wide(torch.cat([t.detach() for t in pieces if t.numel()]))
         states = [zero.optimizer.state.get(piece, {}) for piece in u.pieces]
         per_element = {}
@@ -1451,7 +1531,7 @@ def checkpoint_part(zero):
                 scalars[key] = value.clone() if torch.is_tensor(value) else value
         units.append({"master": mine(u.pieces), "state": per_element})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
-    return {"rank": zero.rank, "units": units, "scalars": scalars, "hyper": hyper,
+    return {"rank": q, "units": units, "scalars": scalars, "hyper": hyper,
             "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
             "replicated": {n: t.detach().clone() for n, t in replicated(zero.model)}
             if zero.rank == 0 else {}}
@@ -1459,35 +1539,45 @@ def checkpoint_part(zero):
 
 def load_own_part(zero, state):
     """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
-    Every rank calls it (stage 0 all-gathers the other ranks' parts: every rank steps all of
-    the model but wrote 1/N of it; stages 1 and 2 all-gather the parameters)."""
-    if not isinstance(state, dict) or state.get("rank") != zero.rank or \
+    Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
+    0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
+    q = part_index(zero.rank, zero.world, zero.G)
+    if not isinstance(state, dict) or state.get("rank") != q or \
             state.get("layout") != layout(zero):
         raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of this "
                               "model at this stage and world size; for any other, use "
                               "save_checkpoint() and load_checkpoint()")
-    parts = [state if r == zero.rank else None for r in range(zero.world)]
+    parts = [state if r == q else None for r in range(zero.world)]
     if zero.stage == 0 and zero.world > 1:
-        parts = _gather_parts(zero, state)
+        parts = _gather_parts(zero, state, None, range(zero.world))
+    elif zero.replica_group is not None:  # the other parts of this shard: its replicas wrote them
+        parts = _gather_parts(zero, state, zero.replica_group, range(zero.rank % zero.G,
+                                                                     zero.world, zero.G))
     load_parts(zero, parts, state["layout"])
     for _, t in replicated(zero.model):  # only rank 0's part holds them
         dist.broadcast(t.data, src=0)
 
 
-def _gather_parts(zero, state):
-    """Every rank's part of a stage-0 state_dict, from each rank's own: all-gather the tensors."""
-    parts = [dict(state, rank=r, units=[], replicated=None) for r in range(zero.world)]
-    parts[0]["replicated"] = state["replicated"] if zero.rank == 0 else None
+def _gather_parts(zero, state, group, ranks):
+    """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
+    each one's own; None for the others."""
+    parts = [None] * zero.world
+    for r in ranks:
+        parts[part_index(r, zero.world, zero.G)] = dict(state, units=[], replicated=None,
+                                                        rank=part_index(r, zero.world, zero.G))
+    if parts[0] is not None:
+        parts[0]["replicated"] = state["replicated"] if state["rank"] == 0 else None
     device = zero.units[0].flat.device
     for unit in state["units"]:
         gathered = {}
         for key, t in [("master", unit["master"]), *unit["state"].items()]:
-            full = torch.empty(zero.world * t.numel(), dtype=t.dtype, device=device)
-            all_gather(full, t.to(device))
-            gathered[key] = full.cpu().view(zero.world, -1)
-        for r, part in enumerate(parts):
-            part["units"].append({"master": gathered["master"][r],
-                                  "state": {k: v[r] for k, v in gathered.items() if k != "master"}})
+            full = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
+            all_gather(full, t.to(device), group=group)
+            gathered[key] = full.cpu().view(len(ranks), -1)
+        for j, r in enumerate(ranks):
+            parts[part_index(r, zero.world, zero.G)]["units"].append({
+                "master": gathered["master"][j],
+                "state": {k: v[j] for k, v in gathered.items() if k != "master"}})
     return parts
 
 
@@ -1592,7 +1682,7 @@ def full_state_dict(zero):
             flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
         else:  # the masters are sharded: gather them
             flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
-            all_gather(flat, unit.master)  # [N*S] <- every rank's [S]
+            all_gather(flat, unit.master, group=zero.shard_group)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
             flat = _wide(flat)
         full.update({p: unit.view(flat, p).clone() for p in unit.params})
@@ -1665,14 +1755,16 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     path = os.path.join(root, f"step_{step:08d}")
     os.makedirs(path, exist_ok=True)
     _fsync_dir(root)  # the new directory's name is on disk before older checkpoints can be deleted
-    name = os.path.join(path, f"rank_{opt.rank:05d}.pt")
+    q = part_index(opt.rank, opt.world, opt.G)  # the part this rank writes: its rank, if G = N
+    name = os.path.join(path, f"rank_{q:05d}.pt")
     _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
     digest = bytes.fromhex(_sha256(name))  # 32 bytes
     rows = _all_ranks([os.path.getsize(name), *digest], opt.units[0].flat.device)
     if opt.rank == 0:
-        files = {f"rank_{r:05d}.pt": [row[0], bytes(row[1:]).hex()] for r, row in enumerate(rows)}
+        files = {f"rank_{part_index(r, opt.world, opt.G):05d}.pt": [row[0], bytes(row[1:]).hex()]
+                 for r, row in enumerate(rows)}
         aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
         keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         manifest = {"format": FORMAT, "step": step, **layout(opt), "optimizer": type(opt.optimizer).__name__,
