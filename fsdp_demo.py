@@ -62,6 +62,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -98,9 +99,16 @@ def parallelize(model, args):
     else:
         mp_policy = MixedPrecisionPolicy()
     reshard = args.stage == 3
+    # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
+    # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
+    G, world = getattr(args, "shard_size", None), dist.get_world_size()
+    mesh = None
+    if G and G < world:
+        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        mesh = init_device_mesh(device, (world // G, G), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp_policy)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     return model, zero.adamw(args)(model.parameters())
 
 
@@ -144,10 +152,25 @@ class CommCounter(TorchDispatchMode):
             if name.startswith(key):  # "reducescatter" is matched before "reduce"
                 arg = 1 if key == "reducescatter" and not functional else 0
                 full = sum(t.numel() * t.element_size() for t in _flat(args[arg]))
-                full *= self.world if key == "allgather" and functional else 1
-                self.comm[kind] += times * (self.world - 1) * full / self.world
+                n = _group_size(args) or self.world  # the ring is over the group's ranks
+                full *= n if key == "allgather" and functional else 1
+                self.comm[kind] += times * (n - 1) * full / n
                 break
         return func(*args, **(kwargs or {}))
+
+
+def _group_size(args):
+    """The size of the process group a c10d op runs over (a ProcessGroup argument, or a
+    functional op's group name), or None."""
+    for a in args:
+        if isinstance(a, dist.ProcessGroup):
+            return a.size()
+        if isinstance(a, str):
+            try:
+                return dist.distributed_c10d._resolve_process_group(a).size()
+            except (KeyError, ValueError, RuntimeError):
+                pass
+    return None
 
 
 def _flat(x):

@@ -1939,7 +1939,8 @@ def train(args, build=None, keep_params=False, quiet=False):
         net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
                                param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
                                bucket_bytes=int(args.bucket_mb * 2**20),
-                               check_steps=not args.no_step_check)
+                               check_steps=not args.no_step_check,
+                               shard_size=args.shard_size)
         label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     else:
         net, opt, label = build(model)
@@ -2112,6 +2113,9 @@ def training_parser(description):
     p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
     p.add_argument("--no-overlap", action="store_true", help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
+    p.add_argument("--shard-size", type=positive(int), help="hybrid sharding: stages 1-3 shard "
+                   "over groups of G consecutive ranks, replicated across the N/G groups "
+                   "(default: N, every rank)")
     p.add_argument("--no-step-check", action="store_true", help="skip the per-step check that "
                    "ranks communicated the same units (one 16-byte all_reduce a step)")
     p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: cut the parameters into buckets of this many MiB "
