@@ -1133,8 +1133,8 @@ FORMAT = "zero.py sharded checkpoint, version 1"
 
 
 def _atomic_write(path, write):
-    """write(f) into a temporary file, then rename it to path. If anything fails, the temporary
-    file is removed and path is as it was."""
+    """write(f) into a temporary file, then rename it to path. If the writing or the rename
+    fails, the temporary file is removed and path is as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -1931,7 +1931,8 @@ def training_parser(description):
     p.add_argument("--backend", choices=["nccl", "gloo"],
                    help="(default: nccl if every local rank has a GPU of its own, else gloo)")
     p.add_argument("--device", choices=["cpu", "cuda"],
-                   help="(default: cuda with nccl, else cpu)")
+                   help="(default: cuda if every local rank has a GPU of its own and --backend "
+                        "is not gloo, else cpu)")
     p.add_argument("--timeout", type=positive(float), default=120,
                    help=f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} to "
                         f"{TIMEOUTS[1]:g}")
