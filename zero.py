@@ -1296,6 +1296,8 @@ def _rotate(root, step, keep):
     complete ones, but never the one just written (`step`, even if older), and the temporary
     files that saves killed midway left in the checkpoints kept."""
     found = sorted(_steps(root))
+    if not found:
+        return
     kept = set(found[-keep:]) | {step}
     for name in os.listdir(root):
         s = _step_of(name)
@@ -1318,9 +1320,8 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
 
     def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
         if error:
-            _remove_quietly(name)
+            _remove_quietly(name)  # (a manifest that failed is never renamed into place)
             if opt.rank == 0:
-                _remove_quietly(manifest_path)
                 with contextlib.suppress(OSError):
                     os.rmdir(path)  # if nothing else is left in it
             raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written "
