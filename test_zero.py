@@ -1638,3 +1638,304 @@ def test_hybrid_checkpoints_load_at_any_shard_size_stage_and_world(hybrid_runs):
                 assert torch.equal(res["saved"][n], res[name + " loaded"][n]), (name, n)
                 assert (t - res[name][n]).abs().max().item() <= 1e-5, (name, n)  # stage: rounding
         assert res["bad"] and "shard_size must divide the world size 4" in res["bad"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and the command line under abuse: one job per directory, ranks that agree, nothing
+# non-finite saved, the manifest read as data, one line and never a traceback. In this process
+# (a gloo group of one) where it can be; two ranks once, spawned, and one 2-rank launch.
+
+# TINY: the tiny model's flags (the timeline section above)
+
+in_process = pytest.mark.filterwarnings("ignore::FutureWarning")  # gloo's renamed collectives
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A gloo group of one in this process, for zero.main and the checkpoint functions."""
+    made = not dist.is_initialized()
+    if made:
+        zero.setup("gloo", "cpu")
+    assert dist.get_world_size() == 1
+    yield
+    if made:
+        dist.destroy_process_group()
+
+
+def full_disk(obj, f):  # torch.save on a full disk: some bytes, then ENOSPC
+    import errno
+    f.write(b"\0" * 1000)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def abused_ranks(rank, world):
+    root, out = os.path.join(os.environ["ZERO_TEST_TMP"], "ckpt"), {}
+    model, opt = wrapped(rank, 2, "adamw", seed=100)
+    train_rows(model, opt, rank, world, 1, 0)
+    for step in (2, 4):
+        zero.save_checkpoint(opt, root, step)
+    # Rank 0 chooses: here its listing does not show step 4 yet (it completed in between), rank
+    # 1's does. Both must resume from step 2.
+    real_steps, real_save = zero._steps, torch.save
+    if rank == 0:
+        zero._steps = lambda r: {s: p for s, p in real_steps(r).items() if s < 4}
+    out["chosen"] = zero.choose_checkpoint(root, torch.device("cpu"))
+    zero._steps = real_steps
+    # The disk fills up while rank 1 writes step 6: every rank raises the same one line, and
+    # nothing of step 6 is left.
+    if rank == 1:
+        torch.save = full_disk
+    try:
+        zero.save_checkpoint(opt, root, 6)
+    except zero.CheckpointError as e:
+        out["full"] = str(e)
+    torch.save = real_save
+    dist.barrier()
+    out["after"] = sorted(os.listdir(root))
+    chosen = zero.choose_checkpoint(root, torch.device("cpu"))
+    out["loaded"] = zero.load_checkpoint(opt, chosen)["step"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def abused():
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp, spawn(2, "abused_ranks", shared=tmp)
+
+
+def test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank(abused):
+    tmp, ranks = abused
+    assert [r["chosen"] for r in ranks] == [os.path.join(tmp, "ckpt", "step_00000002")] * 2
+    assert ranks[0]["full"] == ranks[1]["full"]
+    full = ranks[0]["full"]
+    assert full.startswith("step 6 not saved: rank 1: ") and "No space left" in full
+    assert "\n" not in full
+    assert ranks[0]["after"] == ranks[1]["after"] == ["step_00000002", "step_00000004"]
+    assert [r["loaded"] for r in ranks] == [4, 4]  # the previous checkpoint is intact
+    for path, _, files in os.walk(os.path.join(tmp, "ckpt")):
+        assert not [f for f in files if ".tmp" in f], (path, files)
+
+
+@in_process
+def test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not(one_rank, tmp_path):
+    import fcntl
+    ckpt = tmp_path / "ckpt"
+    zero.main([*TINY, "--steps", "2", "--ckpt-dir", str(ckpt)])
+    before = sorted(os.listdir(ckpt))
+    # another job (here a process that holds the lock and is then killed) holds the directory
+    hold = (f"import fcntl, os, time\nfd = os.open({str(ckpt)!r}, os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        in_use = f"in use by another job \\(process {holder.pid}\\)"
+        with pytest.raises(zero.UsageError, match=in_use):
+            zero.main([*TINY, "--ckpt-dir", str(ckpt)])
+        assert sorted(os.listdir(ckpt)) == before  # refused before writing (or deleting) anything
+    finally:
+        holder.kill()
+        holder.wait()
+    zero.main([*TINY, "--ckpt-dir", str(ckpt)])  # the kernel dropped the dead job's lock
+    assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000003"]
+    fd = os.open(ckpt, os.O_RDONLY)  # and this job let go of its own when it ended
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+
+
+@in_process
+def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys):
+    # --lr 1e4: step 1 is finite, step 2's gradient norm is not. The run stops before applying
+    # step 2, names it and the last good checkpoint, which is kept; also with --clip 0.
+    for clip in ["1", "0"]:
+        ckpt = tmp_path / f"clip{clip}"
+        with pytest.raises(zero.Diverged) as e:
+            zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--clip", clip,
+                       "--ckpt-dir", str(ckpt), "--ckpt-every", "1"])
+        message = str(e.value)
+        assert message.startswith("step 2: the gradient norm is nan; stopped before")
+        assert "\n" not in message
+        assert f"Last good checkpoint: {ckpt / 'step_00000001'} " in message
+        assert sorted(os.listdir(ckpt)) == ["step_00000001"]
+        parts = zero.read_checkpoint(ckpt / "step_00000001")[1]
+        assert all(torch.isfinite(u["master"]).all() for part in parts for u in part["units"])
+    # --skip-nonfinite: those steps are skipped, the weights and optimizer state stay step 1's
+    ckpt = tmp_path / "skip"
+    zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--ckpt-dir", str(ckpt), "--ckpt-every", "1",
+               "--skip-nonfinite"])
+    assert "5 step(s) of 6 skipped" in capsys.readouterr().out
+    five, six = (zero.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
+    assert all(torch.equal(a["master"], b["master"]) for a, b in zip(five["units"], six["units"]))
+    assert five["scalars"]["step"] == six["scalars"]["step"] == 1  # one step applied in all
+
+
+@in_process
+def test_resume_applies_the_command_lines_lr(one_rank, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    zero.main([*TINY, "--steps", "2", "--ckpt-dir", str(ckpt)])
+    zero.main([*TINY, "--lr", "1e-3", "--ckpt-dir", str(ckpt)])
+    out = capsys.readouterr().out
+    assert "hyper-parameters loaded, then --lr 0.001 applied (it had 0.003)" in out
+    assert zero.read_checkpoint(ckpt / "step_00000003")[1][0]["hyper"][0]["lr"] == 1e-3
+
+
+@in_process
+def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    for step in (4, 8):
+        zero.save_checkpoint(opt, str(root), step)
+    shutil.copytree(root / "step_00000004", root / "step_00000009.bak")
+    for name in ["step_", "step_9", "step_000000009"]:
+        (root / name).mkdir()
+        (root / name / "manifest.json").write_text("{}")
+    (root / "step_00000010").write_text("a file")
+    leftover = root / "step_00000008" / "rank_00000.pt.tmp12345"  # a save killed midway
+    leftover.write_bytes(b"\0" * 100)
+    assert zero.latest_checkpoint(str(root)) == str(root / "step_00000008")
+    zero.main(["--consolidate", str(root), "--out", str(tmp_path / "model.pt")])
+    odd = ["step_", "step_000000009", "step_00000009.bak", "step_00000010", "step_9"]
+    zero.save_checkpoint(opt, str(root), 2)  # lower than both: kept all the same, once written
+    kept = ["step_00000002", "step_00000004", "step_00000008"]
+    assert sorted(os.listdir(root)) == sorted(kept + odd)
+    assert not leftover.exists()
+    zero.save_checkpoint(opt, str(root), 12)
+    assert sorted(os.listdir(root)) == sorted(["step_00000008", "step_00000012", *odd])
+
+
+@in_process
+def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    zero.save_checkpoint(opt, str(root), 1)
+    monkeypatch.setattr(zero, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
+    full = "^step 2 not saved: rank 0: .*manifest.json: No space left"
+    with pytest.raises(zero.CheckpointError, match=full):
+        zero.save_checkpoint(opt, str(root), 2)
+    assert sorted(os.listdir(root)) == ["step_00000001"] and os.listdir(root / "step_00000001")
+    zero.load_checkpoint(opt, zero.latest_checkpoint(str(root)))
+    with pytest.raises(zero.CheckpointError, match="no checkpoint path was given"):
+        zero.load_checkpoint(opt, None)
+
+
+def unblock_after(fifo, seconds=20):
+    """Should a reader wait for ever in open(fifo), a writer's open after `seconds` lets it go."""
+    def write():
+        time.sleep(seconds)
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    import threading
+    threading.Thread(target=write, daemon=True).start()
+
+
+def test_the_manifest_is_data(abused, tmp_path):
+    source = os.path.join(abused[0], "ckpt", "step_00000004")
+    manifest = json.load(open(os.path.join(source, "manifest.json")))
+    files = manifest["files"]
+
+    def swapped(path):
+        os.rename(path / "rank_00000.pt", path / "x")
+        os.rename(path / "rank_00001.pt", path / "rank_00000.pt")
+        os.rename(path / "x", path / "rank_00001.pt")
+        return {"files": {"rank_00000.pt": files["rank_00001.pt"],
+                          "rank_00001.pt": files["rank_00000.pt"]}}
+
+    def fifo(name):
+        def make(path):
+            os.remove(path / name)
+            os.mkfifo(path / name)
+            unblock_after(path / name)
+        return make
+
+    first_unit = manifest["units"][0]
+    false_shape = [[[first_unit[0][0], [-1]], *first_unit[1:]], *manifest["units"][1:]]
+    cases = {  # what is changed -> what the one-line error must say
+        "swapped": (swapped, "rank_00000.pt: holds the part of rank 1, not of rank 0"),
+        "outside": ({"files": {"rank_00000.pt": files["rank_00000.pt"],
+                               "../../../x.pt": files["rank_00001.pt"]}},
+                    "'files' must be exactly rank_00000.pt ... rank_00001.pt"),
+        "fifo": (fifo("rank_00001.pt"), "rank_00001.pt: not a regular file"),
+        "fifo manifest": (fifo("manifest.json"), "manifest.json: not a regular file"),
+        "step abc": ({"step": "abc"}, "'step' is 'abc'"),
+        "step true": ({"step": True}, "'step' is True"),
+        "no extra": ({"extra": None}, "'extra' is missing"),
+        "no files": ({"files": None}, "'files' is missing"),
+        "empty files": ({"files": {}}, "'files' is missing or empty"),
+        "false shape": ({"units": false_shape}, "'units' is not a list"),
+        "world size": ({"world_size": 0}, "'world_size' is 0"),
+        "psi": ({"psi": 5}, "'psi' is 5"),
+        "bad hash": ({"files": {**files, "rank_00000.pt": [files["rank_00000.pt"][0], "../x"]}},
+                     "'files' entry rank_00000.pt"),
+    }
+    for what, (change, message) in cases.items():
+        path = tmp_path / what
+        shutil.copytree(source, path)
+        changed = change(path) if callable(change) else change
+        if changed:
+            (path / "manifest.json").write_text(json.dumps({**manifest, **changed}))
+        out = str(tmp_path / "out.pt")
+        for read in [zero.read_checkpoint, lambda p: zero.consolidate(p, out),
+                     lambda p: zero.main(["--consolidate", str(p), "--out", out])]:
+            with pytest.raises(zero.CheckpointError) as e:
+                read(path)
+            assert message in str(e.value) and "\n" not in str(e.value), (what, str(e.value))
+        assert not os.path.exists(tmp_path / "out.pt")
+    # --out onto a directory or into a missing one: one line, no temporary file left
+    for out in [tmp_path, tmp_path / "missing" / "out.pt"]:
+        with pytest.raises(zero.UsageError, match="^--out"):
+            zero.main(["--consolidate", source, "--out", str(out)])
+        with pytest.raises(zero.UsageError, match="cannot be written"):
+            zero.consolidate(source, str(out))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+@in_process
+def test_bad_flags_are_one_line(one_rank, tmp_path, monkeypatch, capsys):
+    afile, readonly = tmp_path / "afile", tmp_path / "readonly"
+    afile.write_text("")
+    readonly.mkdir()
+    readonly.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: make the check see what a user would
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and str(p) != str(readonly))
+    size = os.path.getsize(zero.__file__)
+    cases = [(["--bucket-mb", "1e308"], "--bucket-mb"),
+             (["--seq-len", str(size - 1)], "longer than the data"),
+             (["--timeout", "1e20"], "--timeout"), (["--timeout", "1e-9"], "--timeout"),
+             (["--seed", "99999999999999999999"], "--seed"), (["--seed", "-1"], "--seed"),
+             (["--clip", "nan"], "--clip"), (["--clip", "inf"], "--clip"),
+             (["--params", "1e9"], "are for --estimate"),
+             (["--world-size", "8"], "are for --estimate"),
+             (["--ckpt-dir", str(afile)], "not a directory"),
+             (["--ckpt-dir", str(afile / "x")], "Not a directory"),
+             (["--ckpt-dir", str(readonly)], "not writable")]
+    for args, message in cases:
+        with pytest.raises(zero.UsageError) as e:
+            zero.main([*TINY, *args])
+        assert message in str(e.value) and "\n" not in str(e.value), (args, str(e.value))
+    assert "step    1 |" not in capsys.readouterr().out  # refused at the start, before any training
+    assert os.listdir(readonly) == []
+    longest = zero.training_parser("").parse_args(["--seq-len", str(size - 2)])  # the data allows
+    assert zero.check_args(longest).seq_len == size - 2
+    with pytest.raises(SystemExit):
+        zero.main(["--help"])
+    options = re.split(r"\n  (?=-)", capsys.readouterr().out.split("\n  -h, --help")[1])[1:]
+    assert len(options) > 25 and all("(default" in option for option in options), options
+
+
+def test_ranks_that_disagree_are_one_line_under_torchrun():
+    # What torchrun starts: two ranks, here given different stages. wrap refuses on every rank:
+    # rank 0 prints one line, every rank exits 2.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, os.path.join(HERE, "zero.py"), *TINY, "--timeout", "30", "--stage"]
+    procs = [subprocess.Popen(cmd + [str(1 + r)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [2, 2], (err0, err1)
+    assert err0.startswith("zero.py: error: ranks disagree: rank 0 has stage 1"), err0
+    assert err0.count("\n") == 1
+    assert err1 == "" and "Traceback" not in out0 + out1

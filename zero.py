@@ -1693,26 +1693,46 @@ def full_state_dict(zero):
 # ----------------------------------------------------------------------------------------------
 # Checkpoint files: sharded, atomic, and readable at any stage and world size
 #
-#   DIR/step_00000010/rank_00000.pt ... rank_00003.pt   each rank's state_dict(), written in parallel
-#   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and shapes,
-#                                                       every file's size and sha256, the step
+#   DIR/step_00000010/rank_00000.pt ... rank_00003.pt   each rank's state_dict(), in parallel
+#   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and
+#                                                       shapes, every file's size and sha256
 #
 # A checkpoint is complete when its manifest exists. Every file is written under a temporary
 # name, fsync'ed and renamed (a rename is atomic), and the manifest only after every rank's file
 # is on disk, so a job killed in the middle of a save leaves the previous checkpoint as it was
-# and an incomplete directory that loading skips. The newest `keep` complete ones are kept.
+# and an incomplete directory that loading skips. The newest `keep` complete ones are kept, and
+# always the one just written. Only the names save_checkpoint writes (step_ and the step in 8 or
+# more digits) are checkpoints: anything else in DIR is never read, nor deleted.
+#
+# One job per DIR (ckpt_dir_lock): two jobs in one directory delete each other's checkpoints.
+# The manifest is data, not instructions: a reader opens only the files a writer of its
+# world_size would have written (rank_<r>.pt, r < N), only if they are regular files, and checks
+# that each one holds the part of its own rank.
 
 FORMAT = "zero.py sharded checkpoint, version 1"
 
 
 def _atomic_write(path, write):
+    """write(f) into a temporary file, then rename it to path. If the writing or the rename
+    fails, the temporary file is removed and path is as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     _fsync_dir(os.path.dirname(path))  # and so is the rename
+
+
+def _is_temporary(name):
+    """A name _atomic_write gives its temporary files: NAME.tmp<pid>."""
+    stem, _, pid = name.rpartition(".tmp")
+    return bool(stem) and pid.isascii() and pid.isdigit()
 
 
 def _fsync_dir(path):
@@ -1731,16 +1751,31 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _json_lines(d):
-    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()) + "\n}\n"  # a key a line
+def _json_lines(d):  # a key a line
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()) + "\n}\n"
+
+
+def _step_of(name):
+    """The step of a checkpoint directory's name, step_00000010 -> 10; None for any other name
+    (step_00000010.bak, step_, step_10, a file's name...)."""
+    digits = name[5:]
+    if name.startswith("step_") and digits.isascii() and digits.isdigit():
+        if name == f"step_{int(digits):08d}":
+            return int(digits)
+    return None
 
 
 def _steps(root):
     """{step: directory} of the complete checkpoints under root."""
+    try:
+        names = os.listdir(root) if os.path.isdir(root) else []
+    except OSError as e:
+        raise CheckpointError(f"{root}: cannot be listed ({e.strerror})") from None
     found = {}
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith("step_") and os.path.exists(os.path.join(root, name, "manifest.json")):
-            found[int(name[5:])] = os.path.join(root, name)
+    for name in names:
+        step = _step_of(name)
+        if step is not None and os.path.exists(os.path.join(root, name, "manifest.json")):
+            found[step] = os.path.join(root, name)
     return found
 
 
@@ -1750,41 +1785,265 @@ def latest_checkpoint(root):
     return found[max(found)] if found else None
 
 
+def choose_checkpoint(root, device):
+    """latest_checkpoint(root) as rank 0 sees it, on every rank (a collective). Each rank listing
+    root on its own could resume two ranks from two checkpoints, when one completes between their
+    listings."""
+    mine, error = -1, None
+    if dist.get_rank() == 0:
+        try:
+            mine = max(_steps(root), default=-1)
+        except CheckpointError as e:
+            mine, error = -2, e
+    choice = torch.tensor([mine], dtype=torch.int64, device=device)
+    dist.broadcast(choice, src=0)
+    step = choice.item()
+    if step == -2:
+        raise error or CheckpointError(f"{root}: rank 0 cannot list it")
+    return None if step < 0 else os.path.join(root, f"step_{step:08d}")
+
+
+def _first_error(error, device):
+    """Every rank's error message ("": none) to every rank, in one small all-gather, and the first
+    of them, or "". What lets all ranks raise together: none is left waiting in a collective."""
+    text = error.encode()[:512]
+    rows = _all_ranks(list(text.ljust(512, b"\0")), device, dtype=torch.uint8)
+    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
+    return next((e for e in errors if e), "")
+
+
+def _lock_holder(fd):
+    """' (process PID)' if /proc/locks names the process that holds a flock on fd's file."""
+    st = os.fstat(fd)
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError, IndexError):
+        with open("/proc/locks") as f:  # 1: FLOCK  ADVISORY  WRITE 5833 fe:00:2146937 0 EOF
+            for fields in map(str.split, f):
+                if fields[1] == "FLOCK" and fields[5] == file:
+                    return f" (process {fields[4]})"
+    return ""
+
+
+@contextlib.contextmanager
+def ckpt_dir_lock(root, device):
+    """Make `root` (created if missing) this job's checkpoint directory while in this block; every
+    rank enters it (a collective). A directory that is a file or not writable, or in use by
+    another job, is a UsageError on every rank, before any training.
+
+    One job per directory: rank 0 holds an exclusive flock on the directory itself (no lock file
+    to leave behind). The kernel drops it when the process ends, however it ends, so a job that
+    died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
+    the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
+    import fcntl
+    fd, error = None, ""
+    try:
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise UsageError(f"checkpoint directory {root}: exists and is not a directory")
+        os.makedirs(root, exist_ok=True)
+        if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+            raise UsageError(f"checkpoint directory {root}: not writable")
+        if dist.get_rank() == 0:
+            fd = os.open(root, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"checkpoint directory {root}: in use by another job"
+                                 f"{_lock_holder(fd)}; one job per directory") from None
+            except OSError as e:
+                print(f"warning: checkpoint directory {root} cannot be locked ({e.strerror}): "
+                      "make sure that no other job uses it", file=sys.stderr, flush=True)
+    except UsageError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"checkpoint directory {root}: {e.strerror or e}"
+    error = _first_error(error, device)
+    try:
+        if error:
+            raise UsageError(error)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with the last descriptor of its open file
+
+
+def _remove_quietly(path):
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _rotate(root, step, keep):
+    """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
+    complete ones, but never the one just written (`step`, even if older), and the temporary
+    files that saves killed midway left in the checkpoints kept."""
+    found = sorted(_steps(root))
+    if not found:
+        return
+    kept = set(found[-keep:]) | {step}
+    for name in os.listdir(root):
+        s = _step_of(name)
+        if s is not None and s < min(found[-keep:]) and s not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for s in kept:
+        path = os.path.join(root, f"step_{s:08d}")
+        for name in filter(_is_temporary, os.listdir(path)):
+            _remove_quietly(os.path.join(path, name))
+
+
 def save_checkpoint(opt, root, step, extra=None, keep=2):
-    """Write opt's checkpoint for `step` under root (every rank calls this; a collective)."""
+    """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
+    rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
+    is removed, and the checkpoints written before are as they were."""
     path = os.path.join(root, f"step_{step:08d}")
-    os.makedirs(path, exist_ok=True)
-    _fsync_dir(root)  # the new directory's name is on disk before older checkpoints can be deleted
     q = part_index(opt.rank, opt.world, opt.G)  # the part this rank writes: its rank, if G = N
     name = os.path.join(path, f"rank_{q:05d}.pt")
-    _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
+    manifest_path = os.path.join(path, "manifest.json")
+    device = opt.units[0].flat.device
+
+    def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
+        if error:
+            _remove_quietly(name)  # (a manifest that failed is never renamed into place)
+            if opt.rank == 0:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # if nothing else is left in it
+            raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written "
+                                  "before it are intact")
+
+    size, digest, error = 0, bytes(32), ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
+        _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
+        size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
+    except (OSError, RuntimeError) as e:  # torch.save reports some failed writes as RuntimeError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        error = f"rank {opt.rank}: {getattr(e, 'filename', None) or name}: {reason}"
+    failed(_first_error(error, device))
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
-    digest = bytes.fromhex(_sha256(name))  # 32 bytes
-    rows = _all_ranks([os.path.getsize(name), *digest], opt.units[0].flat.device)
+    rows = _all_ranks([size, *digest], device)
+    error = ""
     if opt.rank == 0:
         files = {f"rank_{part_index(r, opt.world, opt.G):05d}.pt": [row[0], bytes(row[1:]).hex()]
                  for r, row in enumerate(rows)}
         aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
-        keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-        manifest = {"format": FORMAT, "step": step, **layout(opt), "optimizer": type(opt.optimizer).__name__,
-                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)], "files": files, "extra": extra or {}}
-        _atomic_write(os.path.join(path, "manifest.json"), lambda f: f.write(_json_lines(manifest).encode()))
-        found = sorted(_steps(root))
-        for old in os.listdir(root):  # older checkpoints, complete or not, beyond the newest `keep`
-            if old.startswith("step_") and old[5:].isdigit() and int(old[5:]) < found[-keep:][0]:
-                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()  # nobody goes on (or dies) believing a save is complete before it is
+        keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
+                if p.requires_grad}
+        manifest = {"format": FORMAT, "step": step, **layout(opt),
+                    "optimizer": type(opt.optimizer).__name__,
+                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
+                    "files": files,
+                    "extra": extra or {}}
+        try:
+            _atomic_write(manifest_path, lambda f: f.write(_json_lines(manifest).encode()))
+        except OSError as e:
+            error = f"rank 0: {manifest_path}: {e.strerror or e}"
+        else:
+            with contextlib.suppress(OSError, CheckpointError):
+                _rotate(root, step, keep)
+    # nobody goes on (or dies) believing a save is complete before it is
+    failed(_first_error(error, device))
+
+
+def _count(x, least=0):
+    return type(x) is int and x >= least  # an int, and not a bool
+
+
+def _is_shape(x):
+    return isinstance(x, list) and all(map(_count, x))
+
+
+def _manifest_problem(m):
+    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
+    if not _count(m.get("step")):
+        return f"'step' is {m.get('step')!r}, not a step number"
+    if not (_count(m.get("stage")) and m["stage"] < 4):
+        return f"'stage' is {m.get('stage')!r}, not 0, 1, 2 or 3"
+    n = m.get("world_size")
+    if not _count(n, 1):
+        return f"'world_size' is {n!r}, not a number of ranks"
+    units, replicated = m.get("units"), m.get("replicated")
+    if not (isinstance(units, list) and all(isinstance(u, list) for u in units) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _is_shape(p[1])
+            for u in units for p in u)):
+        return "'units' is not a list, per unit, of [name, shape] (a shape: a list of ints >= 0)"
+    if not (isinstance(replicated, dict) and all(map(_is_shape, replicated.values()))):
+        return "'replicated' is not a dictionary {name: shape}"
+    psi = sum(_numel(s) for u in units for _, s in u)
+    if m.get("psi") != psi:
+        return f"'psi' is {m.get('psi')!r}, its units hold {psi} elements"
+    names = {name for u in units for name, _ in u} | set(replicated)
+    keys = m.get("keys")
+    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) == 2 and
+                                           all(isinstance(x, str) for x in k) and k[1] in names
+                                           for k in keys)):
+        return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
+    files = m.get("files")
+    if not isinstance(files, dict) or not files:
+        return "'files' is missing or empty"
+    want = {f"rank_{r:05d}.pt" for r in range(n)} if len(files) == n else set()
+    if set(files) != want:
+        named = ", ".join(map(repr, sorted(files)))
+        return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
+                f"not {named[:200]}")
+    for file, entry in files.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and _count(entry[0]) and
+                isinstance(entry[1], str) and len(entry[1]) == 64 and
+                set(entry[1]) <= set("0123456789abcdef")):
+            return f"'files' entry {file}: not [size, sha256 in hex]"
+    if not isinstance(m.get("extra"), dict):
+        return "'extra' is missing or not a dictionary"
+    return None
+
+
+def _part_problem(part, r, manifest):
+    """What is wrong with the part of rank r (its own rank field, its units' sizes), or None."""
+    if not isinstance(part, dict):
+        return "not a checkpoint part"
+    if part.get("rank") != r:
+        return (f"holds the part of rank {part.get('rank')!r}, not of rank {r} "
+                "(files swapped or renamed?)")
+    units = part.get("units")
+    if not isinstance(units, list) or len(units) != len(manifest["units"]):
+        return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
+    for i, (unit, params) in enumerate(zip(units, manifest["units"])):
+        size = -(-sum(_numel(s) for _, s in params) // manifest["world_size"])
+        state = unit.get("state") if isinstance(unit, dict) else None
+        tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
+        if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
+            return f"unit {i}: not {size} elements of master weights and of each optimizer state"
+    replicated = part.get("replicated")
+    if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
+        return "'replicated' is not a dictionary of tensors"
+    if r == 0 and {n: list(t.shape) for n, t in replicated.items()} != manifest["replicated"]:
+        return "its frozen parameters and buffers are not the ones the manifest lists"
+    return None
+
+
+def _regular_size(file, missing):
+    """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
+    import stat
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: {missing}") from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{file}: not a regular file")
+    return st.st_size
 
 
 def read_checkpoint(path, verify=None):
     """The manifest and every rank's part of the checkpoint in directory `path`, each part
     checked against the manifest's size (and sha256, for the ranks in `verify`; None: all) and
     read with torch.load(weights_only=True): a file cannot run code. mmap: a part's bytes are
-    read from disk only where they are used. No process group needed."""
+    read from disk only where they are used. No process group needed. Anything wrong, in the
+    manifest or in a part, is a CheckpointError that says what."""
+    if path is None:
+        raise CheckpointError("no checkpoint path was given (None: latest_checkpoint() returns "
+                              "None where there is no complete checkpoint)")
     manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.exists(manifest_path):
-        raise CheckpointError(f"{path}: no manifest.json, not a complete checkpoint")
+    _regular_size(manifest_path, "missing: no manifest.json, not a complete checkpoint")
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
@@ -1792,19 +2051,32 @@ def read_checkpoint(path, verify=None):
         raise CheckpointError(f"{manifest_path}: unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path}: not a {FORMAT!r} manifest")
-    parts = []
-    for r, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
-        file = os.path.join(path, name)
-        if not os.path.exists(file):
-            raise CheckpointError(f"{file}: missing (rank {r} of {manifest['world_size']} wrote it)")
-        if os.path.getsize(file) != size:
-            raise CheckpointError(f"{file}: {os.path.getsize(file)} bytes, the manifest says {size}: truncated or overwritten")
-        if (verify is None or r in verify) and _sha256(file) != digest:
-            raise CheckpointError(f"{file}: its sha256 differs from the manifest's: the file is corrupt")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{manifest_path}: {problem}")
+    n, parts = manifest["world_size"], []
+    for r in range(n):
+        file = os.path.join(path, f"rank_{r:05d}.pt")
+        size, digest = manifest["files"][os.path.basename(file)]
+        found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
+        if found != size:
+            raise CheckpointError(f"{file}: {found} bytes, the manifest says {size}: "
+                                  "truncated or overwritten")
         try:
-            parts.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-        except Exception as e:  # weights_only refuses anything that is not plain tensors and containers
+            if (verify is None or r in verify) and _sha256(file) != digest:
+                raise CheckpointError(f"{file}: its sha256 differs from the manifest's: "
+                                      "the file is corrupt")
+            part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise CheckpointError(f"{file}: {e.strerror or e}") from None
+        except Exception as e:  # weights_only refuses anything but plain tensors and containers
             raise CheckpointError(f"{file}: cannot be read ({str(e).splitlines()[0]})") from None
+        problem = _part_problem(part, r, manifest)
+        if problem:
+            raise CheckpointError(f"{file}: {problem}")
+        parts.append(part)
     return manifest, parts
 
 
@@ -1812,22 +2084,21 @@ def load_checkpoint(opt, path):
     """Load the checkpoint in directory `path` into opt, whatever stage and world size wrote it,
     and return its manifest (step, extra). Every rank calls this; if any rank finds a problem,
     every rank raises CheckpointError and nothing has changed. Each rank checks the hashes of
-    1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N times."""
+    1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N
+    times. The optimizer's hyper-parameters (lr...) are the checkpoint's."""
     error = ""
     try:
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
         check_checkpoint(opt, parts, manifest)
     except CheckpointError as e:
         error = str(e)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a well-formed file of other contents
-        error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"[:500]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # other contents
+        error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"
     # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
     # up to 512 bytes of it, goes to every rank, and all raise the first one.
-    text = error.encode()[:512]
-    rows = _all_ranks(list(text.ljust(512, b"\0")), opt.units[0].flat.device, dtype=torch.uint8)
-    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
-    if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
+    error = _first_error(error[:500], opt.units[0].flat.device)
+    if error:
+        raise CheckpointError(error)
     load_parts(opt, parts, manifest)
     return manifest
 
@@ -1835,16 +2106,25 @@ def load_checkpoint(opt, path):
 def consolidate(path, out):
     """Write one plain state_dict, {key: full fp32 (or fp64) tensor} for every key of the model's
     own state_dict(), from the sharded checkpoint in `path`: what model.load_state_dict() takes.
-    One process, no process group, any stage and world size."""
+    One process, no process group, any stage and world size. A checkpoint that is not right is a
+    CheckpointError, a file `out` that cannot be written a UsageError; neither leaves a file."""
     manifest, parts = read_checkpoint(path)
-    full = dict(parts[0]["replicated"])
-    for i, params in enumerate(manifest["units"]):
-        flat = torch.cat([part["units"][i]["master"] for part in parts])  # [N*S]: every rank's S
-        o = 0
-        for name, shape in params:
-            full[name], o = flat[o:o + _numel(shape)].view(shape).clone(), o + _numel(shape)
-    state = {key: full[name] for key, name in manifest["keys"]}
-    _atomic_write(out, lambda f: torch.save(state, f))
+    try:
+        full = dict(parts[0]["replicated"])
+        for i, params in enumerate(manifest["units"]):
+            flat = torch.cat([part["units"][i]["master"] for part in parts])  # [N*S]: each rank's S
+            o = 0
+            for name, shape in params:
+                full[name], o = flat[o:o + _numel(shape)].view(shape).clone(), o + _numel(shape)
+        state = {key: full[name] for key, name in manifest["keys"]}
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    try:
+        _atomic_write(out, lambda f: torch.save(state, f))
+    except (OSError, RuntimeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise UsageError(f"{out}: cannot be written ({reason})") from None
     return manifest
 
 
@@ -1871,7 +2151,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Byte-level GPT. The blocks are the stage-3 units; the token embedding (tied to the output
-    head: one parameter, used twice), the position embedding and the final norm form the root unit."""
+    head: one parameter, used twice), the position embedding and the final norm form the root
+    unit."""
 
     def __init__(self, seq_len=64, d_model=64, n_layer=4, n_head=4, vocab=256):
         super().__init__()
@@ -1899,7 +2180,8 @@ def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
     global batch and a single process fed all N*B rows is the exact reference."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro)
     starts = torch.randint(len(data) - seq_len - 1, (world * batch_size,), generator=g)
-    rows = torch.stack([data[s:s + seq_len + 1] for s in starts[rank * batch_size:(rank + 1) * batch_size]])
+    mine = starts[rank * batch_size:(rank + 1) * batch_size]
+    rows = torch.stack([data[s:s + seq_len + 1] for s in mine])
     return rows[:, :-1], rows[:, 1:]  # inputs [B, T], targets [B, T]: the next byte
 
 
@@ -1910,7 +2192,8 @@ def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
 def box(rows):
     width = max(len(k) for k, _ in rows), max(len(str(v)) for _, v in rows)
     line = f"+-{'-' * width[0]}-+-{'-' * width[1]}-+"
-    return "\n".join([line] + [f"| {k:<{width[0]}} | {str(v):<{width[1]}} |" for k, v in rows] + [line])
+    body = [f"| {k:<{width[0]}} | {str(v):<{width[1]}} |" for k, v in rows]
+    return "\n".join([line] + body + [line])
 
 
 def adamw(args):
@@ -1922,13 +2205,26 @@ def log0(*a, **k):
         print(*a, **k, flush=True)
 
 
+class Diverged(Exception):
+    """The loss or the gradient norm is not finite: training stopped before that step was applied
+    (printed as one line, exit code 3)."""
+
+
 def train(args, build=None, keep_params=False, quiet=False):
     """Train the demo model and return what was measured (gathered from every rank).
 
     build(model) -> (callable model, optimizer, label) chooses how the model is parallelized; the
     default is zero.wrap. fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2):
-    same model, data, seed, loop and measurements, only the sharding differs."""
+    same model, data, seed, loop and measurements, only the sharding differs.
+
+    With args.ckpt_dir: one job per directory (ckpt_dir_lock), checked before anything is built."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
+    ckpt = getattr(args, "ckpt_dir", None)
+    with ckpt_dir_lock(ckpt, device) if ckpt else contextlib.nullcontext():
+        return _train(args, build, keep_params, quiet, rank, world, device)
+
+
+def _train(args, build, keep_params, quiet, rank, world, device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
     torch.manual_seed(args.seed)
@@ -1937,82 +2233,122 @@ def train(args, build=None, keep_params=False, quiet=False):
         init_from(model, args.init_from)
     if build is None:
         net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
-                               param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
+                               param_dtype=torch.bfloat16 if args.bf16 else None,
+                               overlap=not args.no_overlap,
                                bucket_bytes=int(args.bucket_mb * 2**20),
-                               check_steps=not args.no_step_check,
-                               shard_size=args.shard_size)
+                               check_steps=not args.no_step_check, shard_size=args.shard_size)
         label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     else:
         net, opt, label = build(model)
     data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
     log = (lambda *a, **k: None) if quiet else log0
     log(box([("run", label),
-              ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
-              ("Ψ", f"{opt.psi:,} trainable parameters"),
-              ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
-                        f"bytes of {os.path.basename(__file__)}"),
-              ("dtype, optimizer", "bfloat16 compute, float32 master weights and reductions, AdamW"
-                                   if args.bf16 else "float32, AdamW (state m, v: 8 bytes per parameter)"),
-              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
-                               f"{args.grad_accum} micro-batch(es)")]))
-    # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count theirs
-    # at the dispatcher, inside this context, which leaves out the logging all-reduce below.
-    # Resume: the newest complete checkpoint, whatever stage and world size wrote it. The data
-    # position is the step: get_batch() draws step k's global batch from a generator seeded by k.
+             ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
+             ("Ψ", f"{opt.psi:,} trainable parameters"),
+             ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
+                       f"bytes of {os.path.basename(__file__)}"),
+             ("dtype, optimizer",
+              "bfloat16 compute, float32 master weights and reductions, AdamW" if args.bf16
+              else "float32, AdamW (state m, v: 8 bytes per parameter)"),
+             ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
+                              f"{args.grad_accum} micro-batch(es)")]))
+    # Resume: the newest complete checkpoint, whatever stage and world size wrote it, as rank 0
+    # sees it (choose_checkpoint). The data position is the step: get_batch() draws step k's
+    # global batch from a generator seeded by k. The checkpoint's hyper-parameters are loaded
+    # with its state, then --lr is applied: the command line has the last word.
     first, ckpt = 1, getattr(args, "ckpt_dir", None)
-    found = latest_checkpoint(ckpt) if ckpt else None
+    found = choose_checkpoint(ckpt, device) if ckpt else None
     if found:
         manifest = load_checkpoint(opt, found)
         first = manifest["step"] + 1
+        loaded_lr = opt.optimizer.param_groups[0]["lr"]
+        for group in opt.optimizer.param_groups:
+            group["lr"] = args.lr
         log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
-            f"by {manifest['world_size']} rank(s)")
+            f"by {manifest['world_size']} rank(s)" +
+            (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
+             if loaded_lr != args.lr else ""))
         if manifest["extra"].get("data") != data_position(args, world):
-            log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}, now "
-                f"{data_position(args, world)}): training goes on, on other batches")
+            log(f"note: the data stream differs from the checkpoint's "
+                f"({manifest['extra'].get('data')}, now {data_position(args, world)}): "
+                "training goes on, on other batches")
+    # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count
+    # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
     counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
     times, losses, sent, mem, start = [], [], [], None, Counter(opt.comm)
     record, timeline = getattr(args, "record_step", None), None  # --timeline: this step's events
+    last_good = found  # the newest checkpoint known to hold finite values
+    skip, skipped = getattr(args, "skip_nonfinite", False), 0
     if first > args.steps:
-        log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is {args.steps}")
+        log(f"nothing left to train: the checkpoint is at step {first - 1}, "
+            f"--steps is {args.steps}")
         return None
     for step in range(first, args.steps + 1):
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         if step == record:
             start_timeline(opt)
         loss_sum = torch.zeros((), device=device)
-        with counting():
+        counted = counting()  # one per step, entered twice: the check between is not counted
+        with counted:
             for micro in range(args.grad_accum):
-                x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len, args.seed)
+                x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len,
+                                 args.seed)
                 # all micro-batches but the last accumulate locally: one reduction per step
                 with opt.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
                     logits = net(x.to(device)).float()
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten()) / args.grad_accum
+                    loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
+                    loss = loss / args.grad_accum
                     loss.backward()
                 loss_sum += loss.detach()
-            norm = opt.clip_grad_norm_(args.clip) if args.clip > 0 else None
-            opt.step()
+            # The global gradient norm, the same on every rank: clipped to --clip, or with
+            # --clip 0 only measured (a scale of exactly 1), for the check below.
+            norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
+        # Divergence: a non-finite loss or gradient norm is never applied, so never saved. The
+        # loss of the global batch (all-reduced: every rank decides the same) and the norm are
+        # checked before the step; the run stops there (or, --skip-nonfinite, drops the step).
+        dist.all_reduce(loss_sum)
+        loss, norm = loss_sum.item() / world, norm.item()
+        inf = float("inf")
+        finite = abs(loss) < inf and abs(norm) < inf  # False for nan too
+        if not finite and not skip:
+            what = " and ".join(f"the {name} is {value:g}" for name, value in
+                                (("loss", loss), ("gradient norm", norm)) if not abs(value) < inf)
+            saved = last_good or ("none written" if ckpt else "none (no --ckpt-dir)")
+            raise Diverged(f"step {step}: {what}; stopped before this step was applied. Last good "
+                           f"checkpoint: {saved} (try a lower --lr, or --skip-nonfinite)")
+        if finite:
+            with counted:
+                opt.step()
             timeline = stop_timeline(opt) if step == record else timeline
-            mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state is held
-            opt.zero_grad()
+        else:
+            skipped += 1
+        mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state held
+        opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         sent.append(sum(opt.comm.values()) - sent0)
-        dist.all_reduce(loss_sum)  # the global-batch loss, for the log line only (not counted)
-        losses.append(loss_sum.item() / world)
-        log(f"step {step:4d} | loss {losses[-1]:.6f} | {times[-1] * 1e3:8.1f} ms | "
-            f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm.item():.4f}" if norm is not None else ""))
+        losses.append(loss)
+        log(f"step {step:4d} | loss {loss:.6f} | {times[-1] * 1e3:8.1f} ms | "
+            f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
+            + ("" if finite else " | not finite: skipped, the weights are unchanged"))
         if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
             save_checkpoint(opt, ckpt, step, extra={"data": data_position(args, world)})
+            last_good = os.path.join(ckpt, f"step_{step:08d}")
+    if skipped:
+        log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
     # Every rank's measurements: params, grads, optimizer held; the same at their peak; CUDA's
     # peak (-1: none).
     kinds = ("params", "grads", "optimizer")
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    ranks = _all_ranks([mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak], device)
+    row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak]
+    ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
-            "times": times, "sent": sent, "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
-            "mem": dict(zip(kinds, most[:3])), "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
+            "times": times, "sent": sent,
+            "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
+            "mem": dict(zip(kinds, most[:3])),
+            "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
             "timeline": timeline,
             "full": opt.full_state_dict() if keep_params else None}
@@ -2025,7 +2361,8 @@ def data_position(args, world):
 
 
 def init_from(model, path):
-    """Start from a plain state_dict file (what --consolidate writes, or torch.save(model.state_dict()))."""
+    """Start from a plain state_dict file (what --consolidate writes, or
+    torch.save(model.state_dict()))."""
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except Exception as e:  # a missing or unreadable file, or weights for another model
@@ -2046,39 +2383,64 @@ def report(res, args):
     for kind in ("params", "grads", "optimizer"):
         log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
              f"   {format(peak[kind], ',') if peak else 'not measured':>18}")
-    total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/N", f"{pb}Ψ + {gb + ob}Ψ/N", f"{pb + gb + ob}Ψ/N"][stage]
-    log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} {sum(formula.values()):>12,.0f}")
-    log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient full-unit\n"
-         "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and the\n"
+    total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/N", f"{pb}Ψ + {gb + ob}Ψ/N",
+             f"{pb + gb + ob}Ψ/N"][stage]
+    log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} "
+         f"{sum(formula.values()):>12,.0f}")
+    log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
+         "full-unit\n"
+         "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and "
+         "the\n"
          "   gathered units of stage 3)")
-    log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} bytes,"
-         f" reductions in 4;"
+    log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
+         f"bytes, reductions in 4;"
          f" N = {world}, k = {k} micro-batches)")
     expected, comm = comm_formula(stage, psi, world, pb, 4, k), res["comm"]
     names = {"all_reduce": "2Ψ(N-1)/N" if stage == 0 else "-",
              "reduce_scatter": f"{k}·Ψ(N-1)/N" if stage >= 2 else "Ψ(N-1)/N",
              "all_gather": f"{2 * k}·Ψ(N-1)/N" if stage == 3 else "Ψ(N-1)/N"}
     for kind in sorted(set(comm) | set(expected)):
-        log0(f"  {kind:<15} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<12} {expected.get(kind, 0):>14,.0f}")
-    log0(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} {sum(expected.values()):>14,.0f}")
+        log0(f"  {kind:<15} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<12} "
+             f"{expected.get(kind, 0):>14,.0f}")
+    log0(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} "
+         f"{sum(expected.values()):>14,.0f}")
     if stage == 3:
-        log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather fewer)")
+        log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather "
+             "fewer)")
     if stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
-        log0(f"  (gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above {A2A_BYTES >> 20} MB),"
-             "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see reduce_scatter() in zero.py)")
+        log0(f"  (gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
+             f"{A2A_BYTES >> 20} MB),"
+             "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see "
+             "reduce_scatter() in zero.py)")
     if comm.get("all_reduce") and world > 1:
-        log0("  (all_reduce" + (" includes" if stage == 0 else ":") + " 16 bytes a step that check"
-             " ranks agree" + (", and the sum of squares for clipping by the global norm)"
-                               if args.clip > 0 and stage >= 1 else ")"))
-    log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over {len(res['times'])} steps")
+        why = ["16 bytes a step that check ranks agree (check_steps)"]
+        if stage >= 1:
+            why.append("the sum of squares for clipping by the global gradient norm" if args.clip > 0
+                       else "the sum of squares for the global gradient norm, checked finite")
+        log0("  (all_reduce" + (" includes " if stage == 0 else ": ") + ",\n   and ".join(why) + ")")
+    log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
+         f"{len(res['times'])} steps")
     if res["cuda_peak"]:
-        log0("torch.cuda.max_memory_allocated per rank: " + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
+        log0("torch.cuda.max_memory_allocated per rank: " +
+             ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
 
 
 # ----------------------------------------------------------------------------------------------
 # Command line: bad input is one line on stderr and exit code 2, never a traceback
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every option's default: its value, or what the help says None means."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_ShowDefaults, **kwargs)
+
     def error(self, message):
         raise UsageError(message)
 
@@ -2097,62 +2459,110 @@ def positive(kind):
 
 def training_parser(description):
     p = Parser(description=description)
-    p.add_argument("--stage", type=int, default=3, choices=range(4), help="0 data parallel, 1-3 ZeRO (default 3)")
-    p.add_argument("--steps", type=positive(int), default=30)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-layer", type=positive(int), default=4)
-    p.add_argument("--d-model", type=positive(int), default=64)
-    p.add_argument("--n-head", type=positive(int), default=4)
-    p.add_argument("--seq-len", type=positive(int), default=64)
-    p.add_argument("--batch-size", type=positive(int), default=8, help="rows per rank per micro-batch")
-    p.add_argument("--grad-accum", type=positive(int), default=1, help="micro-batches (backward calls) per step")
-    p.add_argument("--lr", type=positive(float), default=3e-3)
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip; 0 turns it off")
-    p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl if every local rank has a GPU")
-    p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--timeout", type=positive(float), default=120, help="seconds before a stuck collective fails")
-    p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 compute, fp32 master weights and reductions")
-    p.add_argument("--no-overlap", action="store_true", help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
-    p.add_argument("--shard-size", type=positive(int), help="hybrid sharding: stages 1-3 shard "
-                   "over groups of G consecutive ranks, replicated across the N/G groups "
-                   "(default: N, every rank)")
-    p.add_argument("--no-step-check", action="store_true", help="skip the per-step check that "
-                   "ranks communicated the same units (one 16-byte all_reduce a step)")
-    p.add_argument("--bucket-mb", type=float, default=0, help="stages 0-2: cut the parameters into buckets of this many MiB "
-                   "(DDP: 25; default 0, each unit its own bucket)")
+    p.add_argument("--stage", type=int, default=3, choices=range(4),
+                   help="0 data parallel, 1-3 ZeRO")
+    p.add_argument("--steps", type=positive(int), default=30, help="optimizer steps to train")
+    p.add_argument("--seed", type=int, default=0,
+                   help=f"seeds the weights and the batches, 0 to {SEEDS - 1}")
+    p.add_argument("--n-layer", type=positive(int), default=4, help="transformer blocks")
+    p.add_argument("--d-model", type=positive(int), default=64, help="width")
+    p.add_argument("--n-head", type=positive(int), default=4, help="attention heads")
+    p.add_argument("--seq-len", type=positive(int), default=64, help="bytes per row")
+    p.add_argument("--batch-size", type=positive(int), default=8,
+                   help="rows per rank per micro-batch")
+    p.add_argument("--grad-accum", type=positive(int), default=1,
+                   help="micro-batches (backward calls) per step")
+    p.add_argument("--lr", type=positive(float), default=3e-3,
+                   help="AdamW's learning rate; applied also when resuming from a checkpoint")
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="global gradient-norm clip; 0 turns it off")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient norm is not finite (inf, nan) and go "
+                        "on, instead of stopping the run there")
+    p.add_argument("--backend", choices=["nccl", "gloo"],
+                   help="(default: nccl if every local rank has a GPU of its own, else gloo)")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="(default: cuda if every local rank has a GPU of its own and --backend "
+                        "is not gloo, else cpu)")
+    p.add_argument("--timeout", type=positive(float), default=120,
+                   help=f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} to "
+                        f"{TIMEOUTS[1]:g}")
+    p.add_argument("--bf16", action="store_true",
+                   help="mixed precision: bf16 compute, fp32 master weights and reductions")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
+    p.add_argument("--bucket-mb", type=float, default=0,
+                   help="stages 0-2: cut the parameters into buckets of this many MiB (DDP: 25; "
+                        "0: each unit its own bucket)")
+    p.add_argument("--shard-size", type=positive(int),
+                   help="hybrid sharding: stages 1-3 shard over groups of G consecutive ranks, "
+                        "replicated across the N/G groups (default: N, every rank)")
+    p.add_argument("--no-step-check", action="store_true",
+                   help="skip the per-step check that ranks communicated the same units (one "
+                        "16-byte all_reduce a step)")
     return p
+
+
+SEEDS = 2**32  # --seed: 0 to 2**32 - 1 (get_batch multiplies it into a 64-bit generator seed)
+TIMEOUTS = (1, 1e7)  # --timeout, seconds: below 1 s set-up fails; timedelta and c10d overflow
 
 
 def check_args(args):
     if args.d_model % args.n_head:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
-    if args.clip < 0:
-        raise UsageError("--clip must be 0 (off) or positive")
-    if not 0 <= args.bucket_mb < float("inf"):
-        raise UsageError("--bucket-mb must be 0 (one bucket per unit) or positive")
+    if not 0 <= args.clip < float("inf"):
+        raise UsageError(f"--clip must be 0 (off) or a positive number, not {args.clip}")
+    if not 0 <= args.bucket_mb * 2**20 < float("inf"):
+        raise UsageError("--bucket-mb must be 0 (one bucket per unit) or a positive number, "
+                         f"not {args.bucket_mb}")
+    if not 0 <= args.seed < SEEDS:
+        raise UsageError(f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}")
+    if not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1]:
+        raise UsageError(f"--timeout must be from {TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, "
+                         f"not {args.timeout:g}")
+    size = os.path.getsize(__file__)  # the data: this file's bytes; a row is seq_len + 1 of them
+    if args.seq_len > size - 2:
+        raise UsageError(f"--seq-len {args.seq_len} is longer than the data allows: at most "
+                         f"{size - 2} ({os.path.basename(__file__)} has {size} bytes)")
     return args
 
 
 def main(argv=None):
     p = training_parser("Data parallel and ZeRO-1/2/3 from raw torch.distributed collectives.")
-    p.add_argument("--estimate", action="store_true", help="print the per-rank memory formula and exit")
-    p.add_argument("--params", type=positive(float), help="Ψ for --estimate, e.g. 7.5e9")
-    p.add_argument("--world-size", type=positive(int), help="N for --estimate")
-    p.add_argument("--ckpt-dir", help="write sharded checkpoints here; resume from the newest complete one")
-    p.add_argument("--ckpt-every", type=positive(int), help="steps between checkpoints (default: after the last step only)")
-    p.add_argument("--init-from", metavar="FILE", help="start from a plain state_dict file, e.g. from --consolidate")
-    p.add_argument("--consolidate", metavar="DIR", help="write the newest checkpoint in DIR as one plain state_dict (--out) and exit")
-    p.add_argument("--out", metavar="FILE", help="--consolidate: the file to write")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the per-rank memory formula and exit")
+    p.add_argument("--params", type=positive(float),
+                   help="Ψ for --estimate, e.g. 7.5e9 (default: none, --estimate needs it)")
+    p.add_argument("--world-size", type=positive(int),
+                   help="N for --estimate (default: none, --estimate needs it)")
+    p.add_argument("--ckpt-dir",
+                   help="write sharded checkpoints here and resume from the newest complete one; "
+                        "one job per directory (default: no checkpoints)")
+    p.add_argument("--ckpt-every", type=positive(int),
+                   help="steps between checkpoints (default: after the last step only)")
+    p.add_argument("--init-from", metavar="FILE",
+                   help="start from a plain state_dict file, e.g. from --consolidate "
+                        "(default: a fresh model)")
+    p.add_argument("--consolidate", metavar="DIR",
+                   help="write the newest checkpoint in DIR (or DIR itself, a checkpoint) as one "
+                        "plain state_dict (--out) and exit (default: train)")
+    p.add_argument("--out", metavar="FILE", help="--consolidate: the file to write (default: none)")
     p.add_argument("--timeline", metavar="FILE.svg",
-                   help="draw the model-state bytes after every event of the last step")
+                   help="draw the model-state bytes after every event of the last step "
+                        "(default: none)")
     p.add_argument("--timeline-all", metavar="FILE.svg",
-                   help="train stages 0-3 in turn and draw their timelines side by side")
+                   help="train stages 0-3 in turn and draw their timelines side by side "
+                        "(default: none)")
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
         check_timeline_args(args)
         args.record_step = args.steps
     if args.ckpt_every and not args.ckpt_dir:
         raise UsageError("--ckpt-every needs --ckpt-dir")
+    if (args.params is not None or args.world_size is not None) and not args.estimate:
+        raise UsageError("--params and --world-size are for --estimate")
+    if args.out and not args.consolidate:
+        raise UsageError("--out is for --consolidate")
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
@@ -2160,12 +2570,18 @@ def main(argv=None):
     elif args.consolidate:
         if not args.out:
             raise UsageError("--consolidate needs --out FILE")
-        path = args.consolidate if os.path.exists(os.path.join(args.consolidate, "manifest.json")) else latest_checkpoint(args.consolidate)
+        where = os.path.dirname(args.out) or "."
+        if os.path.isdir(args.out) or not os.path.isdir(where):
+            raise UsageError(f"--out {args.out}: " + ("is a directory" if os.path.isdir(args.out)
+                                                      else f"no directory {where}"))
+        found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
+        path = args.consolidate if found else latest_checkpoint(args.consolidate)
         if path is None:
             raise CheckpointError(f"{args.consolidate}: no complete checkpoint (no manifest.json)")
         m = consolidate(path, args.out)
         print(f"wrote {args.out}: {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
-              f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")
+              f"(written at stage {m['stage']} by {m['world_size']} rank(s), "
+              "fp32 master weights)")
     elif args.timeline_all:
         train_every_stage(args)
     else:
@@ -2176,25 +2592,37 @@ def main(argv=None):
                 show_timeline([timeline_panel(res, args)], args.timeline)
 
 
-PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out", "timed out", "NCCL")
+PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out",
+                 "timed out", "NCCL")
 
 
 def run(main, argv=None):
-    """Run a command-line main: bad input is one line and exit code 2."""
+    """Run a command-line main: bad input is one line and exit code 2; a run stopped by a loss
+    or gradient norm that is not finite, one line and exit code 3."""
     code, prog = 0, os.path.basename(sys.argv[0])
+    rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
     try:
         main(argv)
-    except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":
+    except (UsageError, Diverged) as e:
+        if rank0:
             print(f"{prog}: error: {e}", file=sys.stderr)
+        code = 2 if isinstance(e, UsageError) else 3
+    except ValueError as e:
+        # wrap's own checks ("zero: ranks disagree: ..." on every rank, before any training) are
+        # about what the ranks were told to run, not bugs: one line. Any other ValueError is a bug.
+        if not str(e).startswith("zero: "):
+            raise
+        if rank0:
+            print(f"{prog}: error: {str(e)[len('zero: '):]}", file=sys.stderr)
         code = 2
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in PEER_FAILURES):
             raise
-        print(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another rank is gone or "
-              f"--timeout passed ({str(e).strip().splitlines()[0][:200]})", file=sys.stderr)
+        print(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
+              f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})",
+              file=sys.stderr)
         code = 1
     if dist.is_initialized() and code != 1:
         dist.destroy_process_group()
