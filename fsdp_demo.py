@@ -163,8 +163,8 @@ def _group_size(args):
     """The size of the process group a c10d op runs over (a ProcessGroup argument, or a
     functional op's group name), or None."""
     for a in args:
-        if isinstance(a, dist.ProcessGroup):
-            return a.size()
+        if isinstance(a, torch.ScriptObject) and a._type().name() == "ProcessGroup":
+            return dist.ProcessGroup.unbox(a).size()  # what c10d's ops are handed
         if isinstance(a, str):
             try:
                 return dist.distributed_c10d._resolve_process_group(a).size()
@@ -242,7 +242,7 @@ def zero_counted(args, world, seen):
     def build(model):
         opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks,
                         param_dtype=torch.bfloat16 if args.bf16 else None,
-                        overlap=not args.no_overlap)
+                        overlap=not args.no_overlap, shard_size=args.shard_size)
         opt.counting = lambda: CommCounter(world, seen)
         return model, opt, f"zero.py stage {args.stage} ({zero.STAGE_NAMES[args.stage]})"
     return build
@@ -402,6 +402,9 @@ def main(argv=None):
     if args.bf16 and (args.stage < 2 or args.bench):
         raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, "
                               "not --bench")
+    if args.shard_size and (args.stage < 2 or args.bench):
+        raise zero.UsageError("--shard-size is FSDP2 on a 2-D mesh (HSDP) here: stages 2 and 3 "
+                              "only, not --bench")
     if args.bench:
         bench(args)
     elif args.compare:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -1574,6 +1575,11 @@ def hybrid(rank, world):
         out["bad"] = None
     except ValueError as e:
         out["bad"] = str(e)
+    # PyTorch's counterpart: FSDP2 on a 2-D mesh (replicate x shard), against zero.py's stage 3
+    import fsdp_demo
+    args = zero.training_parser("").parse_args(SMALL + ["--stage", "3", "--shard-size", str(G)])
+    theirs, ours = fsdp_demo.compare(args, keep_params=True)
+    out["pytorch"] = {"theirs": theirs, "ours": ours}
     return out
 
 
@@ -1939,3 +1945,18 @@ def test_ranks_that_disagree_are_one_line_under_torchrun():
     assert err0.startswith("zero.py: error: ranks disagree: rank 0 has stage 1"), err0
     assert err0.count("\n") == 1
     assert err1 == "" and "Traceback" not in out0 + out1
+
+
+def test_hybrid_pytorch_counterpart_trains_like_zero(hybrid_runs):
+    for res in hybrid_runs:
+        theirs, ours = res["pytorch"]["theirs"], res["pytorch"]["ours"]
+        assert max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"])) <= 1e-5
+        for name, t in ours["full"].items():
+            assert (theirs["full"][name] - t).abs().max().item() <= 1e-5, name
+        # sharded over G = 2, not N = 4: twice the 1/N memory, and bytes that cross groups
+        assert ours["comm"]["all_reduce across groups"] > 0
+        assert ours["mem"]["params"] > 0 and theirs["comm"]["all_reduce"] > 0
+        seen = Counter()  # the dispatcher saw what zero.py counted itself
+        for kind, v in ours["comm"].items():
+            seen[zero.DIRECT_CALLS.get(kind, "all_reduce" if "all_reduce" in kind else kind)] += v
+        assert ours["comm_seen"] == pytest.approx(dict(seen))

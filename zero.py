@@ -1106,20 +1106,30 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
     return out
 
 
-def estimate(psi, world):
-    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks."""
+def estimate(psi, world, shard_size=None):
+    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks;
+    and the elements each rank sends per step, inside its group of G and across the groups."""
+    G = shard_size or world
     print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
-          f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks, mixed-precision Adam: "
-          f"2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n")
-    print(f"{'stage':<32} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}   "
-          f"communication per step")
-    traffic = ["2Ψ(N-1)/N", "2Ψ(N-1)/N", "2Ψ(N-1)/N", "3Ψ(N-1)/N"]
+          f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks"
+          + (f" in groups of G = {G} (hybrid: stages 1-3 shard over G)" if G < world else "")
+          + ",\nmixed-precision Adam: 2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n")
+    print(f"{'stage':<27} {'params':>9} {'grads':>9} {'optimizer':>9} {'total':>9}  "
+          f"{'sent, in group':>14} {'across groups':>14}")
     for stage in range(4):
-        m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12).items()}
-        elements = sum(comm_formula(stage, psi, world, 1, 1).values())
-        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<30} {m['params']:>7.2f} GB "
-              f"{m['grads']:>7.2f} GB {m['optimizer']:>7.2f} GB {sum(m.values()):>7.1f} GB   "
-              f"{traffic[stage]} = {elements:.3g} elements")
+        m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12, G).items()}
+        sent = comm_formula(stage, psi, world, 1, 1, shard_size=G)
+        across = sent.pop("all_reduce across groups", 0)
+        inside = sum(sent.values()) if stage or G == world else 0
+        across += 0 if stage or G == world else sum(sent.values())  # stage 0: all-reduce over N
+        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} {m['params']:>6.2f} GB "
+              f"{m['grads']:>6.2f} GB {m['optimizer']:>6.2f} GB {sum(m.values()):>6.1f} GB  "
+              f"{inside:>14.4g} {across:>14.4g}")
+    print("\nsent: elements per rank per step (ring algorithms): 2Ψ(N-1)/N for stages 0-2, "
+          "3Ψ(N-1)/N for stage 3" + (";\nwith G < N the reduce-scatters and all-gathers run "
+                                     "inside a group of G, and each shard's all-reduce\n"
+                                     "crosses the groups (stage 0's all-reduce runs over all "
+                                     "N)" if G < world else ""))
 
 
 # The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
@@ -2372,10 +2382,13 @@ def init_from(model, path):
 
 def report(res, args):
     psi, stage, world, k = res["psi"], res["stage"], res["world"], args.grad_accum
+    G = getattr(args, "shard_size", None) or world  # hybrid sharding: what is sharded is 1/G
+    n = "N" if G == world else "G"
     pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter: the paper's, or fp32
-    formula = memory_formula(stage, psi, world, pb, gb, ob)
-    labels = {"params": f"{pb}Ψ" + "/N" * (stage >= 3), "grads": f"{gb}Ψ" + "/N" * (stage >= 2),
-              "optimizer": f"{ob}Ψ" + "/N" * (stage >= 1)}
+    formula = memory_formula(stage, psi, world, pb, gb, ob, shard_size=G)
+    labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3),
+              "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
+              "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1)}
     peak = res["peak"] or {}
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
          f" formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)")
@@ -2383,8 +2396,8 @@ def report(res, args):
     for kind in ("params", "grads", "optimizer"):
         log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
              f"   {format(peak[kind], ',') if peak else 'not measured':>18}")
-    total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/N", f"{pb}Ψ + {gb + ob}Ψ/N",
-             f"{pb + gb + ob}Ψ/N"][stage]
+    total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
+             f"{pb + gb + ob}Ψ/{n}"][stage]
     log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} "
          f"{sum(formula.values()):>12,.0f}")
     log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
@@ -2394,16 +2407,25 @@ def report(res, args):
          "   gathered units of stage 3)")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
          f"bytes, reductions in 4;"
-         f" N = {world}, k = {k} micro-batches)")
-    expected, comm = comm_formula(stage, psi, world, pb, 4, k), res["comm"]
-    names = {"all_reduce": "2Ψ(N-1)/N" if stage == 0 else "-",
-             "reduce_scatter": f"{k}·Ψ(N-1)/N" if stage >= 2 else "Ψ(N-1)/N",
-             "all_gather": f"{2 * k}·Ψ(N-1)/N" if stage == 3 else "Ψ(N-1)/N"}
+         f" N = {world}, k = {k} micro-batches" + (f", G = {G}: hybrid)" if G < world else ")"))
+    expected, comm = comm_formula(stage, psi, world, pb, 4, k, shard_size=G), res["comm"]
+    ring = f"Ψ({n}-1)/{n}" if stage else "Ψ(N-1)/N"
+    names = {"all_reduce": f"2{ring}" if stage == 0 else "-",
+             "reduce_scatter": f"{k}·{ring}" if stage >= 2 else ring,
+             "all_gather": f"{2 * k}·{ring}" if stage == 3 else ring,
+             "all_reduce across groups": f"{1 if stage == 1 else k}·2Ψ/G (R-1)/R"}
+    width = 24 if G < world else 15
     for kind in sorted(set(comm) | set(expected)):
-        log0(f"  {kind:<15} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<12} "
+        log0(f"  {kind:<{width}} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<15} "
              f"{expected.get(kind, 0):>14,.0f}")
-    log0(f"  {'total':<15} {sum(comm.values()):>14,.0f}   {'':<12} "
+    log0(f"  {'total':<{width}} {sum(comm.values()):>14,.0f}   {'':<15} "
          f"{sum(expected.values()):>14,.0f}")
+    if G < world:  # the point of hybrid sharding: only the shard's all-reduce crosses groups
+        across = "all_reduce across groups"
+        log0(f"  (inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
+             f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula; across the "
+             f"R = {world // G} groups: {comm.get(across, 0):,.0f}, formula "
+             f"{expected.get(across, 0):,.0f})")
     if stage == 3:
         log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather "
              "fewer)")
@@ -2566,7 +2588,10 @@ def main(argv=None):
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
-        estimate(args.params, args.world_size)
+        if args.shard_size and args.world_size % args.shard_size:
+            raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
+                             f"{args.world_size}")
+        estimate(args.params, args.world_size, args.shard_size)
     elif args.consolidate:
         if not args.out:
             raise UsageError("--consolidate needs --out FILE")
