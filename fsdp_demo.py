@@ -42,15 +42,16 @@ FSDP2's knobs and the zero.py code that does the same job:
   zero.py's clip_grad_norm_ all-reduces the sum of squares of the shards itself.
 - Parameters become DTensors sharded on dim 0 (each parameter cut separately, padded); zero.py
   cuts one flat buffer per unit. Both give each rank 1/N of every unit.
+- fully_shard(mesh=init_device_mesh(device, (N/G, G))): hybrid sharding (HSDP), shard over G,
+  replicate over N/G: zero.py's --shard-size G (hybrid_groups). --compare --shard-size G runs both.
 
 What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: CUDA streams and events for
 overlap (zero.py uses the backends' async work handles, which is all gloo has), per-parameter
 groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not another idea);
-hybrid sharding over a 2-D mesh (HSDP, ZeRO++'s hierarchical partitioning) and quantized
-communication (ZeRO++); activation checkpointing and ZeRO-R's activation partitioning
-(activations are not model state); DTensor state dicts and torch.distributed.checkpoint
-(zero.py's checkpoints do the same job in small: a file per rank plus a manifest, resharded when
-loaded); torch.compile integration. Each is an optimization on top of the three sharding ideas,
+quantized communication (ZeRO++); ZeRO-R's activation partitioning (activations are not model
+state; activation checkpointing itself works at every stage); DTensor state dicts and
+torch.distributed.checkpoint (zero.py's checkpoints do the same job in small: a file per rank
+plus a manifest, resharded when loaded); torch.compile integration. Each is an optimization on top of the three sharding ideas,
 and each would double the code to read.
 """
 import argparse

@@ -1102,7 +1102,8 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
            {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
     R = world // G
     if stage and R > 1:
-        out["all_reduce across groups"] = (1 if stage == 1 else k) * 2 * (R - 1) / R * psi / G * reduce_bytes
+        reductions = 1 if stage == 1 else k
+        out["all_reduce across groups"] = reductions * 2 * (R - 1) / R * psi / G * reduce_bytes
     return out
 
 
@@ -2437,9 +2438,11 @@ def report(res, args):
     if comm.get("all_reduce") and world > 1:
         why = ["16 bytes a step that check ranks agree (check_steps)"]
         if stage >= 1:
-            why.append("the sum of squares for clipping by the global gradient norm" if args.clip > 0
-                       else "the sum of squares for the global gradient norm, checked finite")
-        log0("  (all_reduce" + (" includes " if stage == 0 else ": ") + ",\n   and ".join(why) + ")")
+            why.append("the sum of squares for clipping by the global gradient norm"
+                       if args.clip > 0 else
+                       "the sum of squares for the global gradient norm, checked finite")
+        log0("  (all_reduce" + (" includes " if stage == 0 else ": ")
+             + ",\n   and ".join(why) + ")")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
     if res["cuda_peak"]:
