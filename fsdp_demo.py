@@ -51,8 +51,8 @@ groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not an
 quantized communication (ZeRO++); ZeRO-R's activation partitioning (activations are not model
 state; activation checkpointing itself works at every stage); DTensor state dicts and
 torch.distributed.checkpoint (zero.py's checkpoints do the same job in small: a file per rank
-plus a manifest, resharded when loaded); torch.compile integration. Each is an optimization on top of the three sharding ideas,
-and each would double the code to read.
+plus a manifest, resharded when loaded); torch.compile integration. Each is an optimization on
+top of the three sharding ideas, and each would double the code to read.
 """
 import argparse
 import contextlib
