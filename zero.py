@@ -170,14 +170,13 @@ class DataParallel:
         self.check_steps = check_steps  # compare what ranks communicated, every step (checks)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.G = shard_size or self.world  # the ranks a unit is sharded over (hybrid: G < N)
-        # Mixed precision: compute in param_dtype, reduce in reduce_dtype, step fp32 masters.
-        self.mixed_precision = param_dtype is not None
+        self.mixed_precision = param_dtype is not None  # compute in param_dtype, fp32 masters
         self.reduce_dtype = reduce_dtype or (torch.float32 if self.mixed_precision else None)
         self.units = make_units(self, model, units)  # (Part II: which modules, buckets)
         self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable params
         self.in_flight, self.meter = InFlight(self), Meter(self)  # (speed; measurement)
         check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
-        self.shard_group, self.replica_group = hybrid_groups(self)  # None: all ranks; none
+        self.shard_group, self.replica_group = hybrid_groups(self)  # G = N: None, None
         # Start from rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
         for t in [u.flat for u in self.units] + [t for _, t in replicated(model)]:
             dist.broadcast(t.data, src=0)
@@ -190,12 +189,11 @@ class DataParallel:
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), i))
-        # The optimizer only ever sees flat tensors (this rank's masters). That is exact for
-        # element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update depends
-        # on that element's gradient and state only. It is NOT for optimizers that look at whole
-        # tensors (LAMB, LARS, Shampoo, Muon: a shard holds slices of several), nor are
-        # per-parameter groups (no weight decay on biases) possible, for the same reason. The
-        # .grad of each piece is a view of unit.grad_shard (so that one is never reallocated).
+        # The optimizer sees flat tensors only (this rank's masters; each one's .grad a view of
+        # unit.grad_shard). Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
+        # each element's update depends on its own gradient and state only. NOT for those that
+        # look at whole tensors (LAMB, LARS, Shampoo, Muon: a shard holds slices of several), nor
+        # are per-parameter groups (no weight decay on biases) possible, for the same reason.
         self.optimizer = optimizer(optimizer_pieces(self))  # the masters, in pieces (speed)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -352,8 +350,8 @@ class ZeRO1(DataParallel):
     """Changes vs DataParallel: each rank keeps optimizer state for its 1/N of each unit only.
     Gradients are reduce-scattered (each rank receives the sum of its own shard only), the
     optimizer steps that shard, and the updated shards are all-gathered back into every rank's
-    full parameters. Memory 4Ψ + 12Ψ/N (paper); communication unchanged, 2Ψ (N-1)/N.
-    (torch's ZeroRedundancyOptimizer hands whole parameters to owners: that balances badly.)"""
+    full parameters. Memory 4Ψ + 12Ψ/N (paper); communication unchanged, 2Ψ (N-1)/N. (torch's
+    ZeroRedundancyOptimizer hands whole parameters to owners instead: that balances badly.)"""
 
     stage = 1
 
