@@ -335,7 +335,7 @@ def test_resume_from_state_dict_is_exact(ranks, stage):
 
 
 # ----------------------------------------------------------------------------------------------
-# Memory: what memory_breakdown() measures equals the THEORY.md formula (fp32 AdamW)
+# Memory: what memory_breakdown() measures equals the paper's formula (fp32 AdamW)
 
 @pytest.mark.parametrize("stage", range(4))
 def test_memory_matches_formula(ranks, stage):
@@ -744,13 +744,31 @@ def test_wrap_rejects_a_bad_stage():
         zero.wrap(Net(seed=0), 4, torch.optim.SGD)
 
 
+def estimate_rows(stdout):
+    """{stage: (total GB, elements sent inside a group, across groups)} from --estimate."""
+    rows = {}
+    for line in stdout.splitlines():
+        m = re.match(r"([0-3]) .*?([\d.]+) GB +([\d.e+]+) +([\d.e+]+)$", line)
+        if m:
+            rows[int(m[1])] = (float(m[2]), float(m[3]), float(m[4]))
+    return rows
+
+
 def test_estimate_reproduces_the_paper():
     out = run_py("--estimate", "--params", "7.5e9", "--world-size", "64")
     assert out.returncode == 0, out.stderr
-    totals = [float(m) for m in re.findall(r"([\d.]+) GB   [23]Ψ", out.stdout)]
-    assert totals == [120.0, 31.4, 16.6, 1.9]
+    rows = estimate_rows(out.stdout)
+    assert [rows[s][0] for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    assert [rows[s][1] for s in range(4)] == [1.477e10] * 3 + [2.215e10]  # 2Ψ or 3Ψ (N-1)/N
+    assert all(rows[s][2] == 0 for s in range(4))
     out = run_py("--estimate", "--params", "1e9", "--world-size", "8")  # 16, 5.5, 3.75, 2 GB
-    assert [float(m) for m in re.findall(r"([\d.]+) GB   [23]Ψ", out.stdout)] == [16.0, 5.5, 3.8, 2.0]
+    assert [estimate_rows(out.stdout)[s][0] for s in range(4)] == [16.0, 5.5, 3.8, 2.0]
+    # hybrid, G = 8 of N = 64: stage 3 holds 16Ψ/8; only 2Ψ/G (R-1)/R elements cross groups
+    out = run_py("--estimate", "--params", "7.5e9", "--world-size", "64", "--shard-size", "8")
+    rows = estimate_rows(out.stdout)
+    assert rows[3][0] == 15.0 and rows[3][2] == 1.641e9 and rows[0][2] == 1.477e10
+    out = run_py("--estimate", "--params", "7.5e9", "--world-size", "64", "--shard-size", "7")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "does not divide" in out.stderr
 
 
 # ----------------------------------------------------------------------------------------------
