@@ -1978,3 +1978,39 @@ def test_hybrid_pytorch_counterpart_trains_like_zero(hybrid_runs):
         for kind, v in ours["comm"].items():
             seen[zero.DIRECT_CALLS.get(kind, "all_reduce" if "all_reduce" in kind else kind)] += v
         assert ours["comm_seen"] == pytest.approx(dict(seen))
+
+
+@in_process
+def test_stage3_gathers_what_each_module_computes_with(one_rank):
+    # A unit whose weight is tied to a root module's (the head a unit, the embedding in the
+    # root): the root's forward gathers it too. A container unit around two nested units: its
+    # forward gathers its own parameters only, not its children's units.
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(5)
+            self.emb, self.mid, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+            self.head.weight = self.emb.weight
+            self.outer = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D))
+
+        def forward(self, x):
+            return self.head(self.outer(torch.tanh(self.mid(self.emb(x)))))
+
+    want = Tied()
+    plain = torch.optim.SGD(want.parameters(), lr=0.1)
+    model = Tied()
+    opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), overlap=False,
+                    units=[model.head, model.mid, model.outer[0], model.outer[1], model.outer])
+    seen = []
+    model.outer[1].register_forward_pre_hook(
+        lambda *_: seen.append(sum(u.gathered for u in opt.units if model.outer[0] in u.modules)))
+    for step in range(2):
+        x, y = global_batch(step, 0, 1)
+        for m, o in ((want, plain), (model, opt)):
+            F.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    got = opt.full_state_dict()
+    for n, p in want.named_parameters():
+        assert (got[n] - p.detach()).abs().max().item() <= 1e-6, n
+    assert seen == [0, 0]  # outer[0]'s unit was freed before outer[1] computed, in both steps

@@ -39,7 +39,7 @@ waits for its all-gather before it computes.
 How to read this file. Part I is the algorithm, complete: set-up, the sharded layout (a Unit),
 the two collectives, one class per stage, each a small diff on the one before it, and wrap().
 Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part II is the
-engineering, each piece in a section of its own that Part I reaches with one call: speed (each
+engineering, each piece in a section of its own that Part I calls by name: speed (each
 speed-up a switch, to measure it), mixed precision, measurement, checks, checkpoints, then the
 demo model, training loop, report and command line. The stages share one interface:
 
@@ -113,15 +113,15 @@ class Unit:
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
         self.mine = slice(rank % G * self.S, (rank % G + 1) * self.S)  # the elements it owns
-        self.shard = self.flat[self.mine]  # [S] this rank's part of the parameters
+        self.shard = self.flat[self.mine]  # [S] this rank's part of the parameters (stage 0: all)
         self.master = self.shard    # what the optimizer steps: the shard, or its fp32 copy
         self.grad = None            # [N*S] the full gradient, while this rank holds one
-        self.grad_shard = None      # [S] the owned 1/N of the averaged gradient
+        self.grad_shard = None      # the gradient of the shard: a sum over ranks, then / N
         self.arrived = 0            # parameters whose gradient arrived in this backward
         self.unreduced = False      # holds local gradients that no reduction has summed yet
         self.cleared = True         # holds no gradient since zero_grad() (p.grad is None)
-        self.divide = "landing"     # where this backward's gradient is divided by N (_division)
-        self.users = 0              # stage 3: modules computing with the gathered unit now
+        self.divide = "landing"     # where the sum over ranks is divided by N: _division
+        self.users, self.gathered_at = 0, 0  # stage 3: modules computing with it; the step then
         self.prefetch = None        # stage 3: its all-gather, launched ahead and in flight
 
     @property
@@ -159,7 +159,7 @@ class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
     averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
     DDP's job, done DDP's way: a unit's all-reduce is launched as soon as backward has produced
-    its last gradient (overlap=True), and step() waits for what is still in flight."""
+    its last gradient (overlap=True), and the end of backward waits for what is in flight."""
 
     stage = 0
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
@@ -177,7 +177,7 @@ class DataParallel:
         self.in_flight, self.meter = InFlight(self), Meter(self)  # (speed; measurement)
         check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
         self.shard_group, self.replica_group = hybrid_groups(self)  # G = N: None, None
-        # Start from rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
+        # Rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
         for t in [u.flat for u in self.units] + [t for _, t in replicated(model)]:
             dist.broadcast(t.data, src=0)
         if self.mixed_precision:
@@ -205,9 +205,8 @@ class DataParallel:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward calls inside only add up local gradients, as DDP's no_sync(): k micro-batches
-        cost one reduction, not k. Stages 2 and 3 reduce-scatter in every backward regardless:
-        that is what frees their full gradients (ZeRO2)."""
+        """Backward calls inside only add up local gradients, as DDP's no_sync(): one reduction
+        for k micro-batches. Stages 2 and 3 reduce-scatter in every backward regardless (ZeRO2)."""
         self._sync = False
         try:
             yield
@@ -318,6 +317,7 @@ class DataParallel:
         with fp32_step(self):  # mixed precision: fp32 masters, gradients copied to fp32
             self.optimizer.step()
         self.meter.event("optimizer step")
+        self.steps += 1
         self._gather_params()
 
     def _gather_params(self):
@@ -382,7 +382,7 @@ class ZeRO1(DataParallel):
     def _reduce_grads(self):
         if not self._reduced:
             super()._reduce_grads()
-            for unit in self.units:  # unit.divide == "step": the sum over ranks / N, the mean
+            for unit in self.units:  # _division: "step", the sum over ranks / N, the mean
                 unit.grad_shard.div_(self.world)
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
@@ -463,9 +463,8 @@ class ZeRO3(ZeRO2):
         # Which units each module computes with. Usually just its own; a module whose weight is
         # tied to another unit's (an output head sharing the embedding) needs that unit too.
         owner = {p: u for u in self.units for p in u.params}
-        needs = {model: [u for u in self.units if not u.modules]}
-        for m in self.unit_modules:
-            needs[m] = list(dict.fromkeys(owner[p] for p in m.parameters() if p in owner))
+        needs = {m: list(dict.fromkeys(owner[p] for p in own_parameters(m, self.unit_modules)
+                                       if p in owner)) for m in [model] + self.unit_modules}
         self.prefetcher = Prefetch(self)  # speed: gathers the next unit while this one computes
         guard_sharded_parameters(self)  # reading a freed parameter: an error, not a crash (checks)
         for module, units in needs.items():
@@ -554,7 +553,6 @@ class ZeRO3(ZeRO2):
     def _gather_params(self):
         # Nothing to gather after the step: the next forward gathers each unit when it needs it.
         # A unit still gathered (a forward that had no backward) now holds stale values: free it.
-        self.steps += 1
         for unit in self.units:
             if unit.users == 0 and unit.gathered:
                 self._free(unit)
@@ -679,6 +677,17 @@ def make_units(zero, model, modules):
         for p in unit.params:
             p._zero_unit = weakref.ref(unit)  # wrapped (and, at stage 3, where its values live)
     return units
+
+
+def own_parameters(module, unit_modules):
+    """The parameters a module computes with itself (stage 3 gathers their units around its
+    forward): those of its submodules, except those of a unit module nested inside it."""
+    nested, out, todo = {id(m) for m in unit_modules if m is not module}, [], [module]
+    while todo:
+        m = todo.pop()
+        out += list(m.parameters(recurse=False))
+        todo += [c for c in m.children() if id(c) not in nested]
+    return out
 
 
 def replicated(model):
