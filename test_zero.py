@@ -195,12 +195,12 @@ def watch(model, opt):
 
 @contextlib.contextmanager
 def landed_only_when_waited():
-    """Every collective answers is_completed() with False (until zero.py has waited for it, and
-    dropped it). zero.py lands a reduction early when it happens to be finished already; whether
-    it is, when backward next looks, depends on how fast the other ranks and the backend's thread
-    were. Under this, what a sample sees in flight is what zero.py chose not to wait for, the same
-    on every schedule. The results do not change: reductions land in the order they were issued
-    either way (zero._land_reduced)."""
+    """Every collective answers is_completed() with False. zero.py lands a reduction early when it
+    happens to have finished already; whether it has, when backward next looks, depends on how
+    fast the other ranks and the backend's threads were. Under this, a reduction lands only where
+    zero.py waits for it, so what a sample sees in flight is what zero.py chose not to wait for,
+    the same on every schedule. The results do not change: reductions land in the order they were
+    issued either way (zero._land_reduced)."""
     saved = dist.Work.is_completed
     dist.Work.is_completed = lambda self: False
     try:
@@ -310,8 +310,10 @@ def parameters_alive():
 
 
 def scenarios(rank, world):
-    before = parameters_alive()  # from earlier runs of this rank process: not counted (and held, so
-    out = run_scenarios(rank, world)  # that no parameter made here can take one's id)
+    # Parameters of earlier runs in this rank process are not counted (and are held here, so that
+    # no parameter made below can take one's id).
+    before = parameters_alive()
+    out = run_scenarios(rank, world)
     gc.collect()  # every model and optimizer of these scenarios is garbage now: are they freed?
     gc.collect()  # (a second pass: what the first one frees lets go of more)
     known = {id(p) for p in before}
@@ -366,7 +368,8 @@ class Pool:
     def run(self, world, fns, shared):
         """[{fn: fn(rank, world)} for rank in range(world)]: the functions run in order on `world`
         ranks, which find the directory `shared` in $ZERO_TEST_TMP."""
-        if not self.procs:
+        if not self.procs or not all(proc.is_alive() for proc in self.procs):  # none yet, or one has gone
+            self.close(kill=True)
             ctx = mp.get_context("spawn")
             for _ in range(self.size):
                 here, there = ctx.Pipe()
@@ -377,13 +380,20 @@ class Pool:
         port = _free_port()
         with tempfile.TemporaryDirectory() as tmp:
             files = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-            for r in range(world):
-                self.conns[r].send((r, world, port, list(fns), str(shared), files[r]))
-            errors = self._errors(world)
+            try:
+                for r in range(world):
+                    self.conns[r].send((r, world, port, list(fns), str(shared), files[r]))
+                errors = self._errors(world)
+            except OSError:  # a rank process has ended
+                errors = {r: self._gone(r) for r in range(world) if not self.procs[r].is_alive()} or {0: "no pipe"}
             if errors:
                 self.close(kill=True)  # the others may wait for the failed rank: the next run starts new ones
                 raise RuntimeError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
             return [torch.load(f, weights_only=False) for f in files]
+
+    def _gone(self, r):
+        self.procs[r].join(1)
+        return f"the rank process ended, exit code {self.procs[r].exitcode} (negative: killed by that signal)"
 
     def _errors(self, world):
         """{rank: what went wrong}, empty if every rank answered that it is done. Returns at the
@@ -399,7 +409,7 @@ class Pool:
                     try:
                         errors[r] = self.conns[r].recv()
                     except EOFError:
-                        errors[r] = f"the rank process ended (exit code {self.procs[r].exitcode})"
+                        errors[r] = self._gone(r)
                     if errors[r] is None:
                         del errors[r]
         return {r: "no answer" for r in waiting}
@@ -634,7 +644,7 @@ def test_buckets_merge_and_split_units_and_change_nothing_else(ranks, stage):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_overlap_changes_nothing_but_timing(ranks, stage):
-    world, results = ranks
+    results = ranks[1]
     for res in results:
         on, off = res[(stage, "adamw")], res[(stage, "no-overlap")]
         for name, t in on["full"].items():
@@ -1163,11 +1173,11 @@ def test_fsdp_demo_bf16_and_bad_input(world2, world4_again, refused):
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"fsdp_demo.py: error: {message}") and "Traceback" not in err + out
     for res in world2:  # and each bad input, as fsdp_demo.main raises it on every rank
-        refused = res["fsdp_bad_input"]
-        assert [args for args, _, _ in refused] == [["--stage", "5"], ["--stage", "1", "--bf16"]]
-        for args, message, printed in refused:
+        answers = res["fsdp_bad_input"]
+        assert [args for args, _, _ in answers] == [["--stage", "5"], ["--stage", "1", "--bf16"]]
+        for args, message, printed in answers:
             assert message and "\n" not in message and printed == "", (args, message)
-        assert "--bf16" in refused[1][1]
+        assert "--bf16" in answers[1][1]
 
 
 # ----------------------------------------------------------------------------------------------
