@@ -3,9 +3,10 @@ single-process reference (plain model, plain torch optimizer, the concatenation 
 
 The ranks are the processes of one pool, started once (a process costs seconds of imports, a
 scenario a fraction of that). Each world size (1, 2, 3, 4) is one run of N of them in a fresh gloo
-group, which goes through every scenario for every stage; the tests below then check what the
-ranks recorded. The command line runs end to end where that is what is checked (under torchrun, a
-rank killed, exit codes), and is called in-process (zero.main) where the check is about a message.
+group, which goes through every scenario for every stage (N = 4 runs twice: the resharding
+checkpoints go 4 -> 2 -> 4 ranks); the tests below then check what the ranks recorded. The command
+line runs end to end where that is what is checked (under torchrun, a rank killed, exit codes),
+and is called in-process (zero.main) where the check is about a message.
 Run: python -m pytest -q
 
 What the README claims, and the tests that check it (the formulas are the ZeRO paper's,
@@ -438,9 +439,10 @@ def shared(tmp_path_factory):
     return str(tmp_path_factory.mktemp("ranks"))  # what one run of the ranks leaves for the next
 
 
-# One run per world size: every scenario for that N. The resharding chain orders them: the N = 4
-# ranks write a checkpoint (reshard_write), the N = 2 ranks read it and write theirs, which the
-# N = 4 ranks read in a second run (world4_again).
+# One run per world size: every scenario for that N (a new one is a function fn(rank, world) in
+# that list, and costs no process). The resharding chain orders them: the N = 4 ranks write a
+# checkpoint (reshard_write), the N = 2 ranks read it and write theirs, which the N = 4 ranks read
+# in a second run (world4_again).
 
 @pytest.fixture(scope="module")
 def world1(pool, shared):
