@@ -43,6 +43,29 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_bench_prints_every_stage_against_pytorch.
 - The same code runs as one process without torchrun (`python zero.py`):
   test_cli_runs_as_one_process_without_torchrun.
+- torch's convention, opt.load_state_dict(opt.state_dict()) on the same ranks:
+  test_resume_from_state_dict_is_exact.
+- A stage-3 model in real code: test_activation_checkpointing_trains_like_the_reference (every
+  stage, reentrant or not, early stop on or off), test_reading_a_stage3_parameter_is_an_error_not_a_crash,
+  test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_depth.
+- Ranks that disagree fail on every rank before anything is applied:
+  test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
+  test_ranks_that_reduce_different_units_stop_before_the_step,
+  test_ranks_that_disagree_are_one_line_under_torchrun.
+- Checkpoints under abuse (one job per directory, rank 0 chooses, divergence, rotation, the
+  manifest as data, one line): test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not,
+  test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank,
+  test_nonfinite_steps_are_never_applied_nor_saved, test_resume_applies_the_command_lines_lr,
+  test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names,
+  test_a_failed_manifest_write_leaves_the_previous_checkpoint, test_the_manifest_is_data,
+  test_bad_flags_are_one_line.
+- The memory timeline: test_timeline_events_are_what_memory_breakdown_measures,
+  test_timeline_svg_has_one_band_per_kind_and_stage, test_timeline_text_fits_100_columns,
+  test_timeline_bad_input_is_one_line_and_exit_2.
+- Hybrid sharding: test_hybrid_sharding_matches_the_reference,
+  test_hybrid_memory_and_communication_by_group,
+  test_hybrid_checkpoints_load_at_any_shard_size_stage_and_world,
+  test_hybrid_pytorch_counterpart_trains_like_zero, test_estimate_reproduces_the_paper.
 
 No assertion depends on how fast anything runs. Where overlap is checked, collectives report
 "not finished" until zero.py waits for them (landed_only_when_waited), so what is seen in flight
