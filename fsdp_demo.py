@@ -153,24 +153,31 @@ class CommCounter(TorchDispatchMode):
             if name.startswith(key):  # "reducescatter" is matched before "reduce"
                 arg = 1 if key == "reducescatter" and not functional else 0
                 full = sum(t.numel() * t.element_size() for t in _flat(args[arg]))
-                n = _group_size(args) or self.world  # the ring is over the group's ranks
+                ranks = _group_ranks(args) or range(self.world)  # the ring: the group's ranks
+                n = len(ranks)
                 full *= n if key == "allgather" and functional else 1
+                if kind == "all_reduce" and n > 1 and ranks[1] - ranks[0] > 1:
+                    kind = "all_reduce across groups"  # hybrid: ranks G apart, one per group
                 self.comm[kind] += times * (n - 1) * full / n
                 break
         return func(*args, **(kwargs or {}))
 
 
-def _group_size(args):
-    """The size of the process group a c10d op runs over (a ProcessGroup argument, or a
+def _group_ranks(args):
+    """The global ranks of the process group a c10d op runs over (a ProcessGroup argument, or a
     functional op's group name), or None."""
     for a in args:
+        group = None
         if isinstance(a, torch.ScriptObject) and a._type().name() == "ProcessGroup":
-            return dist.ProcessGroup.unbox(a).size()  # what c10d's ops are handed
-        if isinstance(a, str):
+            group = dist.ProcessGroup.unbox(a)  # what c10d's ops are handed
+        elif isinstance(a, str):
+            with contextlib.suppress(KeyError, ValueError, RuntimeError):
+                group = dist.distributed_c10d._resolve_process_group(a)
+        if group is not None:
             try:
-                return dist.distributed_c10d._resolve_process_group(a).size()
-            except (KeyError, ValueError, RuntimeError):
-                pass
+                return dist.get_process_group_ranks(group)
+            except (KeyError, ValueError, RuntimeError):  # not a group this process knows by name
+                return list(range(group.size()))
     return None
 
 

@@ -323,7 +323,7 @@ class DataParallel:
     def _gather_params(self):
         pass  # stage 0: every rank stepped the whole model, nothing to fetch
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):  # (as torch's; the buffers' values do not matter)
         for u in self.units:
             if self.keeps_full_grads:  # as DDP, no pass over the buffer: the next backward's
                 # gradients overwrite it (_on_grad), what none overwrites is zeroed (_zero_missing)
@@ -652,6 +652,9 @@ def make_units(zero, model, modules):
     if not (isinstance(zero.G, int) and 0 < zero.G <= zero.world and zero.world % zero.G == 0):
         raise ValueError(f"zero: shard_size must divide the world size {zero.world}, "
                          f"not {zero.G!r}")
+    if zero.stage == 0 and zero.G != zero.world:
+        raise ValueError("zero: shard_size is for stages 1-3 (hybrid sharding); stage 0 shards "
+                         "nothing")
     modules = default_units(model) if modules is None else list(modules)
     inside = {id(m) for m in model.modules() if m is not model}
     if any(id(m) not in inside for m in modules):
@@ -1182,12 +1185,15 @@ def timeline_entry(zero, what, unit):
 def timeline_panel(res, args):
     """What one run's picture needs: its events and the formula's level of each kind."""
     pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter, as in report()
-    s = res["stage"]
+    s, G = res["stage"], getattr(args, "shard_size", None) or res["world"]
+    n = "N" if G == res["world"] else "G"  # hybrid sharding: what is sharded is 1/G
     return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
+            "groups": f", G = {G}" if G < res["world"] else "",
             "events": res["timeline"], "dtype": "bf16 mixed precision" if args.bf16 else "fp32",
-            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob),
-            "symbols": {"params": f"{pb}Ψ" + "/N" * (s >= 3), "grads": f"{gb}Ψ" + "/N" * (s >= 2),
-                        "optimizer": f"{ob}Ψ" + "/N" * (s >= 1)}}
+            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob, shard_size=G),
+            "symbols": {"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
+                        "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
+                        "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)}}
 
 
 def _total(e):
@@ -1218,7 +1224,7 @@ def timeline_text(panels, width=100):
     for p in panels:
         ev, formula, peak = p["events"], sum(p["formula"].values()), _peak(p["events"])
         out += [f"stage {p['stage']}, {STAGE_NAMES[p['stage']].split(':')[0]}: model-state bytes "
-                f"of rank 0 after each event of step {p['step']} (N = {p['world']})",
+                f"of rank 0 after each event of step {p['step']} (N = {p['world']}{p['groups']})",
                 f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
                 f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
                 f"  {'event':<34} {'params':>7} {'grads':>7} {'optim':>7}"]
@@ -1459,7 +1465,7 @@ def check_ranks_agree(zero, param_dtype):
     # Fail fast. Ranks that built another model, chose another stage or another setting that
     # changes what is communicated would hang in a collective whose sizes differ, or exchange
     # garbage. So the first collective is a small one every rank can make: each of them.
-    mine = {k: v for k, v in layout(zero).items() if k != "world_size"}
+    mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
                     overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.G)
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
@@ -1520,7 +1526,7 @@ def layout(zero):
     of this rank's state_dict() needs to know. Equal on every rank."""
     names = {p: n for n, p in zero.model.named_parameters()}
     u0 = zero.units[0]
-    return {"stage": zero.stage, "world_size": zero.world, "psi": zero.psi,
+    return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.G, "psi": zero.psi,
             "dtype": {"compute": str(u0.flat.dtype), "master": str(_wide(u0.master).dtype)},
             "units": [[[names[p], list(p.shape)] for p in u.params] for u in zero.units],
             "replicated": {n: list(t.shape) for n, t in replicated(zero.model)}}
@@ -2284,6 +2290,8 @@ def _train(args, build, keep_params, quiet, rank, world, device):
             group["lr"] = args.lr
         log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
             f"by {manifest['world_size']} rank(s)" +
+            (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
+             not in (0, manifest["world_size"]) else "") +
             (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
              if loaded_lr != args.lr else ""))
         if manifest["extra"].get("data") != data_position(args, world):
@@ -2382,8 +2390,14 @@ def init_from(model, path):
     """Start from a plain state_dict file (what --consolidate writes, or
     torch.save(model.state_dict()))."""
     try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except Exception as e:  # a missing or unreadable file, or weights for another model
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
+                         f"({type(e).__name__}: {' '.join(lines)[:200]})") from None
+    try:
+        model.load_state_dict(state)
+    except Exception as e:  # weights for another model
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise UsageError(f"--init-from {path}: {' '.join(lines)[:300]}") from None
 
@@ -2397,9 +2411,9 @@ def report(res, args):
     labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3),
               "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
               "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1)}
-    peak = res["peak"] or {}
+    peak, ours = res["peak"] or {}, res["label"].startswith("zero.py")  # notes on zero.py only
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
-         f" formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)")
+         f"\n  formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)")
     log0(f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
     for kind in ("params", "grads", "optimizer"):
         log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
@@ -2414,8 +2428,8 @@ def report(res, args):
          "the\n"
          "   gathered units of stage 3)")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
-         f"bytes, reductions in 4;"
-         f" N = {world}, k = {k} micro-batches" + (f", G = {G}: hybrid)" if G < world else ")"))
+         f"bytes,\n  reductions in 4; N = {world}, k = {k} micro-batches"
+         + (f", G = {G}: hybrid)" if G < world else ")"))
     expected, comm = comm_formula(stage, psi, world, pb, 4, k, shard_size=G), res["comm"]
     ring = f"Ψ({n}-1)/{n}" if stage else "Ψ(N-1)/N"
     names = {"all_reduce": f"2{ring}" if stage == 0 else "-",
@@ -2431,18 +2445,18 @@ def report(res, args):
     if G < world:  # the point of hybrid sharding: only the shard's all-reduce crosses groups
         across = "all_reduce across groups"
         log0(f"  (inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
-             f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula; across the "
+             f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula;\n   across the "
              f"R = {world // G} groups: {comm.get(across, 0):,.0f}, formula "
              f"{expected.get(across, 0):,.0f})")
-    if stage == 3:
+    if stage == 3 and ours:
         log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather "
              "fewer)")
-    if stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
+    if ours and stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
         log0(f"  (gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
              f"{A2A_BYTES >> 20} MB),"
-             "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see "
-             "reduce_scatter() in zero.py)")
-    if comm.get("all_reduce") and world > 1:
+             "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see\n"
+             "   reduce_scatter() in zero.py)")
+    if ours and comm.get("all_reduce") and world > 1:
         why = ["16 bytes a step that check ranks agree (check_steps)"]
         if stage >= 1:
             why.append("the sum of squares for clipping by the global gradient norm"
@@ -2542,6 +2556,8 @@ TIMEOUTS = (1, 1e7)  # --timeout, seconds: below 1 s set-up fails; timedelta and
 def check_args(args):
     if args.d_model % args.n_head:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
+    if args.lr > torch.finfo(torch.float32).max:  # the optimizer's fp32 arithmetic overflows
+        raise UsageError(f"--lr {args.lr:g} is beyond float32's range")
     if not 0 <= args.clip < float("inf"):
         raise UsageError(f"--clip must be 0 (off) or a positive number, not {args.clip}")
     if not 0 <= args.bucket_mb * 2**20 < float("inf"):
@@ -2650,6 +2666,11 @@ def run(main, argv=None):
         if rank0:
             print(f"{prog}: error: {str(e)[len('zero: '):]}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
+        if rank0:
+            print(f"{prog}: interrupted; the checkpoints written so far are intact",
+                  file=sys.stderr)
+        code = 130
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
@@ -2659,7 +2680,7 @@ def run(main, argv=None):
               f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})",
               file=sys.stderr)
         code = 1
-    if dist.is_initialized() and code != 1:
+    if dist.is_initialized() and code not in (1, 130):
         dist.destroy_process_group()
     # Leave without the interpreter's teardown. With torch 2.13's gloo, a worker thread can still be
     # releasing the tensors of the last collective while Python shuts down, and the process then
