@@ -105,7 +105,7 @@ class Unit:
     def __init__(self, modules, params, rank, world, G):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world) * world // G   # shard size: ceil(numel / N) when G = N
+        self.S = -(-numel // world) * world // G   # ceil(numel/N) * N / G: N parts, cut in G
         self.flat = torch.zeros(G * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
