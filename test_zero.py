@@ -2116,7 +2116,8 @@ def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys)
             zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--clip", clip,
                        "--ckpt-dir", str(ckpt), "--ckpt-every", "1"])
         message = str(e.value)
-        assert message.startswith("step 2: the gradient norm is nan; stopped before")
+        # nan or inf: which one the overflow gives depends on torch's kernels
+        assert re.match(r"step 2: the gradient norm is (nan|inf); stopped before", message)
         assert "\n" not in message
         assert f"Last good checkpoint: {ckpt / 'step_00000001'} " in message
         assert sorted(os.listdir(ckpt)) == ["step_00000001"]
