@@ -63,6 +63,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -81,8 +82,11 @@ PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
                  "FSDP2 fully_shard(reshard_after_forward=True)"]
 
 
-def parallelize(model, args):
-    """PyTorch's counterpart of zero.py's stage args.stage: returns (model to call, optimizer)."""
+def parallelize(model, args, device):
+    """PyTorch's counterpart of zero.py's stage args.stage, for a model built on the meta device:
+    returns (model to call, optimizer)."""
+    if args.stage < 2:  # DDP needs the whole model on every rank: allocate and initialize it
+        materialize(model, args, device)
     if args.stage == 0:  # zero.DataParallel
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
         net = DDP(model, gradient_as_bucket_view=True)
@@ -94,7 +98,9 @@ def parallelize(model, args):
                                             lr=args.lr, weight_decay=0.1)
         return net, optimizer
 
-    # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root
+    # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root,
+    # on the meta device: fully_shard only records shapes there, and to_empty() (materialize)
+    # then allocates each rank's shards and nothing more
     if args.bf16:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -105,18 +111,62 @@ def parallelize(model, args):
     G, world = getattr(args, "shard_size", None), dist.get_world_size()
     mesh = None
     if G and G < world:
-        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
-        mesh = init_device_mesh(device, (world // G, G), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (world // G, G),
+                                mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    materialize(model, args, device)
     return model, zero.adamw(args)(model.parameters())
+
+
+def materialize(model, args, device):
+    """PyTorch's recipe for a model built on the meta device: to_empty() allocates it (FSDP2:
+    this rank's shards only), an init fills it, and set_model_state_dict loads a full state_dict
+    that rank 0 alone holds and broadcasts (broadcast_from_rank0), each rank keeping its shards.
+    The init alone would not give zero.py's weights: FSDP2's init runs on each rank's local
+    shards, which draw their random numbers from the same generator state, not from one stream
+    over the whole tensor. So rank 0's state_dict is the --init-from file, or the weights that
+    zero.wrap(init=GPT.init_weights) gives: the same model, initialized whole in one process."""
+    with swapping_to_empty():
+        model.to_empty(device=device)
+    torch.manual_seed(args.seed)
+    for m in model.modules():
+        zero.GPT.init_weights(m)
+    full = {}
+    if dist.get_rank() == 0:
+        if args.init_from:
+            full = zero.read_state_dict(args.init_from)
+        else:
+            with torch.device("meta"):
+                whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
+            with swapping_to_empty():
+                whole.to_empty(device="cpu")
+            torch.manual_seed(args.seed)
+            for m in whole.modules():
+                zero.GPT.init_weights(m)
+            full = whole.state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                              broadcast_from_rank0=True))
+
+
+@contextlib.contextmanager
+def swapping_to_empty():
+    # Gotcha: to_empty() gives each module a new Parameter for its meta one, so a parameter that
+    # two modules share (the head tied to the embedding) becomes two. With this switch it swaps
+    # the new tensor's contents into the same Parameter object instead (swap_tensors): ties stay.
+    saved = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(saved)
 
 
 def pytorch(args, world, count_steps=None):
     """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
-    def build(model):
-        net, optimizer = parallelize(model, args)
+    def build(model, device):
+        net, optimizer = parallelize(model, args, device)
         label = f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
         return net, Torch(model, optimizer, world, count_steps, net), label
     return build
@@ -247,12 +297,10 @@ class Torch:
 def zero_counted(args, world, seen):
     """build() for zero.train: zero.py's own stage, also counted at the dispatcher into `seen`,
     as a check that both counters agree."""
-    def build(model):
-        opt = zero.wrap(model, args.stage, zero.adamw(args), units=model.blocks,
-                        param_dtype=torch.bfloat16 if args.bf16 else None,
-                        overlap=not args.no_overlap, shard_size=args.shard_size)
+    def build(model, device):
+        model, opt, label = zero.zero_build(args)(model, device)
         opt.counting = lambda: CommCounter(world, seen)
-        return model, opt, f"zero.py stage {args.stage} ({zero.STAGE_NAMES[args.stage]})"
+        return model, opt, label
     return build
 
 

@@ -165,7 +165,8 @@ class DataParallel:
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None,
-                 overlap=True, bucket_bytes=0, check_steps=True, shard_size=None):
+                 overlap=True, bucket_bytes=0, check_steps=True, shard_size=None, init=None,
+                 device=None):
         self.model, self.overlap, self.bucket_bytes = model, overlap, bucket_bytes
         self.check_steps = check_steps  # compare what ranks communicated, every step (checks)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -173,22 +174,26 @@ class DataParallel:
         self.mixed_precision = param_dtype is not None  # compute in param_dtype, fp32 masters
         self.reduce_dtype = reduce_dtype or (torch.float32 if self.mixed_precision else None)
         self.units = make_units(self, model, units)  # (Part II: which modules, buckets)
+        self.device = build_device(self, device)  # the model's, or where a meta model is built
         self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable params
         self.in_flight, self.meter = InFlight(self), Meter(self)  # (speed; measurement)
         check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
         self.shard_group, self.replica_group = hybrid_groups(self)  # G = N: None, None
-        # Rank 0's weights (seeds may differ), frozen ones and buffers (not sharded) too
-        for t in [u.flat for u in self.units] + [t for _, t in replicated(model)]:
-            dist.broadcast(t.data, src=0)
-        if self.mixed_precision:
-            cast_frozen_and_inputs(model, self.unit_modules, param_dtype)  # (mixed precision)
-        for i, unit in enumerate(self.units):
+        # Unit by unit. A model built on the meta device (no memory yet) gets each unit
+        # allocated and initialized by materialize() (Part II) only when the one before it has
+        # been cut to its shard: no rank ever holds the whole model, not even while building it.
+        for unit in materialize(self, init):
+            dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
             full = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
             self._shard(unit)
             unit.master = full[unit.owned].clone() if self.mixed_precision else unit.shard
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(
-                    functools.partial(_grad_hook, weakref.ref(self), i))
+                    functools.partial(_grad_hook, weakref.ref(self), unit.index))
+        for _, t in replicated(model):  # frozen parameters and buffers: whole, rank 0's too
+            dist.broadcast(t.data, src=0)
+        if self.mixed_precision:
+            cast_frozen_and_inputs(model, self.unit_modules, param_dtype)  # (mixed precision)
         # The optimizer sees flat tensors only (this rank's masters; each one's .grad a view of
         # unit.grad_shard). Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
         # each element's update depends on its own gradient and state only. NOT for those that
@@ -336,11 +341,13 @@ class DataParallel:
         self._reduced = False
 
     # The rest of the interface, in Part II: bytes held (measurement), this rank's part of a
-    # checkpoint (checkpoints), the full fp32 parameters of the model.
+    # checkpoint (checkpoints), the full fp32 parameters of the model, and loading a plain
+    # state_dict with each rank reading only the elements it holds (meta-device models).
     def memory_breakdown(self): return self.meter.breakdown()
     def state_dict(self): return checkpoint_part(self)
     def load_state_dict(self, state): load_own_part(self, state)
     def full_state_dict(self): return full_state_dict(self)
+    def load_full_state_dict(self, state): load_full_state_dict(self, state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,7 +587,7 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
 def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-         bucket_bytes=0, check_steps=True, shard_size=None):
+         bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with.
 
@@ -595,14 +602,17 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     ignores it. check_steps: one 16-byte all-reduce per step that stops ranks that
     communicated different units before anything is applied (check_step_agrees). shard_size:
     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and replicate over
-    the N/G groups (hybrid_groups; default N)."""
+    the N/G groups (hybrid_groups; default N). init, device: for a model built under
+    torch.device("meta"), initialized in place one unit at a time on `device` (default: this
+    rank's GPU under NCCL, else the CPU) by init(module) for each module in model.modules()
+    order (default: module.reset_parameters()); see materialize()."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
         setup()
     return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes,
-                         check_steps=check_steps, shard_size=shard_size)
+                         check_steps=check_steps, shard_size=shard_size, init=init, device=device)
 
 
 # =================================== PART II: THE ENGINEERING =================================
@@ -697,6 +707,141 @@ def replicated(model):
     """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     return frozen + list(model.named_buffers())
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a model no rank can hold: the meta device. Under `with torch.device("meta"):` a model
+# is built with shapes and dtypes only, no memory and no initialization (PyTorch's way to build
+# what does not fit; FSDP2 shards such a model and then calls to_empty() and an init, DeepSpeed
+# builds under zero.Init). wrap() then walks model.modules() in order, as a plain
+# `for m in model.modules(): init(m)` would, and allocates a unit only when the walk first
+# reaches a module holding one of its parameters. A unit is handed back to wrap() to be
+# broadcast and cut to this rank's shard (stage 3 frees the rest) as soon as the last module
+# holding any of its parameters is initialized; only then is the next unit allocated. So at
+# stage 3 a rank holds its shards, the root unit (its modules come first and last: the
+# embedding and the head) and the one unit being initialized, never the whole model. The
+# random numbers are drawn in the same order as by that plain loop over a normally built model
+# after the same torch.manual_seed: the same weights, bit for bit.
+
+def build_device(zero, device):
+    """Where the model lives: its own device, or for a model built on the meta device `device`,
+    by default this rank's GPU under NCCL, else the CPU."""
+    params = list(zero.model.parameters())
+    on_meta = [p.is_meta for p in params]
+    if not any(on_meta):
+        here = zero.units[0].flat.device
+        if device is not None and torch.device(device) != here:
+            raise ValueError(f"zero: device={device} is for a model built on the meta device; "
+                             f"this one is on {here}")
+        return here
+    if not all(on_meta):
+        names = {p: n for n, p in zero.model.named_parameters()}
+        real = next(p for p in params if not p.is_meta)
+        raise ValueError(f"zero: some parameters are on the meta device and {names[real]} is on "
+                         f"{real.device}: build the whole model under torch.device('meta')")
+    if device is None:
+        return (torch.device("cuda", torch.cuda.current_device())
+                if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def materialize(zero, init):
+    """The units, each ready to be sharded (wrap's loop). For a model built on the meta device,
+    each unit is allocated on zero.device and initialized just before it is handed out: init(m)
+    for every module m in model.modules() order (default: m.reset_parameters(), where m has one;
+    a module with tensors of its own on the meta device and no reset_parameters is an error).
+    Every element starts as NaN, so one that init() leaves unset is an error, not garbage."""
+    zero.meter.event("building")
+    if not zero.units[0].flat.is_meta:  # a model built normally: every unit is there already
+        if init is not None:
+            raise ValueError("zero: init is for a model built on the meta device; this one "
+                             "is initialized already")
+        yield from zero.units
+        return
+    model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
+    modules, pnames = list(model.modules()), {p: n for n, p in model.named_parameters()}
+    owner = {p: u for u in zero.units for p in u.params}
+    last = {owner[p]: k for k, m in enumerate(modules) for p in m.parameters(recurse=False)
+            if p in owner}  # the unit -> the last module holding one of its parameters
+    made, out, fresh = {}, set(), []  # made: meta buffer -> its tensor (buffers may be shared)
+    for k, m in enumerate(modules):
+        own_meta = [t for t in itertools.chain(m.parameters(recurse=False),
+                                               m.buffers(recurse=False)) if t.is_meta]
+        if init is None and own_meta and not hasattr(m, "reset_parameters"):
+            raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
+                             "device and no reset_parameters(): pass wrap(init=...) to "
+                             "initialize it")
+        for p in m.parameters(recurse=False):
+            if p in owner and owner[p].flat.is_meta:
+                _materialize_unit(zero, owner[p])
+            elif p.is_meta:  # a frozen parameter: not sharded, held whole as in a normal build
+                _swap_in(p, _unset(torch.empty_like(p, device=zero.device)))
+                fresh.append((p, _name(names[m], p, m._parameters)))
+        for name, b in m._buffers.items():
+            if b is not None and (b.is_meta or b.device != zero.device):
+                if b not in made:
+                    made[b] = _unset(torch.empty_like(b, device=zero.device)) if b.is_meta \
+                        else b.to(zero.device)
+                    fresh += [(made[b], _name(names[m], b, m._buffers))] * b.is_meta
+                m._buffers[name] = made[b]
+        before = list(m.parameters(recurse=False))
+        with torch.no_grad():
+            if init is not None:
+                init(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        if list(m.parameters(recurse=False)) != before:
+            raise ValueError(f"zero: init() replaced a parameter of {names[m]}: initialize "
+                             "the module's parameters in place (torch.nn.init, copy_)")
+        for u in [u for u, at in last.items() if at == k]:
+            _check_set([(p, pnames[p]) for p in u.params])
+            out.add(u)
+            yield u
+    _check_set(fresh)
+    yield from [u for u in zero.units if u not in out]  # (none: every unit has a module)
+
+
+def _materialize_unit(zero, unit):
+    unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device=zero.device)
+    for p in unit.params:  # each parameter becomes a view of the flat buffer, as in Unit()
+        _swap_in(p, _unset(unit.view(unit.flat, p)))
+    unit.shard = unit.master = unit.flat[unit.mine]
+    zero.meter.event("materialized", unit)
+
+
+def _swap_in(t, value):
+    # A meta tensor's .data cannot be set to a real one (another tensor type), and replacing the
+    # Parameter object would break ties (one parameter in two modules) and references held
+    # elsewhere. torch.utils.swap_tensors swaps the two objects' contents instead: `t` stays the
+    # same Python object; then .data points it at `value` (a view into the unit's flat buffer),
+    # as Unit() does. (Made from `value` itself, it would share its version counter with the
+    # flat buffer, and stage 3's gathers would then look to autograd like in-place changes.)
+    new = torch.Tensor._make_subclass(type(t), value.new_empty(0), t.requires_grad)
+    new.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, new)
+    t.data = value
+
+
+def _unset(t):  # what no init has written yet: NaN (or the smallest integer)
+    return t.fill_(float("nan") if t.is_floating_point() else
+                   torch.iinfo(t.dtype).min if t.dtype != torch.bool else False)
+
+
+def _name(module_name, t, tensors):  # "blocks.0.ln.weight": a tensor by its module's name
+    key = next(k for k, v in tensors.items() if v is t)
+    return key if module_name == "the model" else f"{module_name}.{key}"
+
+
+def _check_set(tensors):
+    for t, name in tensors:
+        unset = torch.isnan(t).any() if t.is_floating_point() else \
+            t.numel() > 0 and t.dtype != torch.bool and (t == torch.iinfo(t.dtype).min).all()
+        if unset:
+            raise ValueError(f"zero: {name} is not initialized: init(module) must set every "
+                             "parameter and buffer of the module it is given")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1026,7 +1171,7 @@ class Meter:
     def __init__(self, zero):
         self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
         self.timeline = None  # a list while one step is recorded (--timeline, below)
-        zero.comm, zero.peak = Counter(), Counter()
+        zero.comm, zero.peak, zero.build_peak = Counter(), Counter(), Counter()
 
     def sent(self, kind, full, unit=None, ranks=None):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M
@@ -1058,6 +1203,8 @@ class Meter:
 
     def optimizer_bytes(self):
         z = self.zero
+        if not hasattr(z, "optimizer"):  # wrap() is still building the units
+            return 0
         state = [v for s in z.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return _nbytes(state + ([u.master for u in z.units] if z.mixed_precision else []))
 
@@ -1074,6 +1221,8 @@ class Meter:
             self.now["optimizer"] = self.optimizer_bytes()
         for kind, n in self.now.items():
             self.zero.peak[kind] = max(self.zero.peak[kind], n)
+        if what == "start":  # wrap() is done: what building held at the most, kept apart
+            self.zero.build_peak, self.zero.peak = self.zero.peak, Counter(self.now)
         if self.timeline is not None:
             self.timeline.append(timeline_entry(self.zero, what, unit))
 
@@ -1470,7 +1619,7 @@ def check_ranks_agree(zero, param_dtype):
                     overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.G)
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
               **{k: _digest(v) for k, v in settings.items()}}
-    rows = _all_ranks(list(fields.values()), zero.units[0].flat.device)
+    rows = _all_ranks(list(fields.values()), zero.device)
     for r, row in enumerate(rows):
         for name, a, b in zip(fields, rows[0], row):
             if a != b:
@@ -1706,6 +1855,50 @@ def full_state_dict(zero):
         full.update({p: unit.view(flat, p).clone() for p in unit.params})
     return {n: full[p] if p in full else _wide(p.detach()).clone()
             for n, p in zero.model.named_parameters()}
+
+
+def load_full_state_dict(zero, state):
+    """opt.load_full_state_dict(state): load a plain state_dict, e.g. pretrained weights as
+    torch.load(path, mmap=True, weights_only=True) gives them, into a wrapped model. Each rank
+    copies only the elements of its own shard of each unit (and the frozen parameters and
+    buffers, which every rank holds whole), so of a memory-mapped file it reads only those
+    pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
+    (floating or not) must fit the model; a tied parameter needs one of its names."""
+    want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
+    source = {}
+    for key, t in want.items():
+        if key in state and t not in source:
+            source[t] = (key, state[key])
+    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in source),
+                   next((f"{key!r} is not in the model" for key in state if key not in want),
+                        None))
+    for t, (key, s) in source.items():
+        if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
+                                s.is_floating_point() != t.dtype.is_floating_point):
+            problem = (f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} "
+                       f"{t.dtype} here" if torch.is_tensor(s) else f"{key!r} is not a tensor")
+    if problem:
+        raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
+                         f"{problem}")
+    with torch.no_grad():
+        for u in zero.units:
+            lo, S = u.mine.start, u.mine.stop - u.mine.start
+            mine = torch.zeros(S, dtype=u.master.dtype, device=zero.device)  # padding 0
+            for p in u.params:
+                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
+                if a < b:  # p has elements in this rank's shard: read just those
+                    flat = source[p][1].reshape(-1)  # a view of the (mapped) file's tensor
+                    mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
+            if u.owned == u.mine:  # stages 1-3: the master is this rank's shard
+                u.master.copy_(mine)
+            else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
+                all_gather(u.master, mine, group=zero.shard_group)
+                zero.meter.sent("all_gather", u.master, u)
+            u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+        for _, t in replicated(zero.model):
+            if t in source:
+                t.copy_(source[t][1])
+    zero._gather_params()  # stages 1 and 2: the full parameters from every rank's shard
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2179,11 +2372,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.wte.weight
-        for m in self.modules():  # GPT-2's init: small weights, so the first loss is about ln(256)
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+        for m in self.modules():  # (built on the meta device, this draws nothing: wrap(init=))
+            self.init_weights(m)
+
+    @staticmethod
+    def init_weights(m):
+        """GPT-2's init of one module's own tensors: small weights, so the first loss is about
+        ln(256). wrap(init=GPT.init_weights) calls it for each module of a meta-device model."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+        if isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
 
     def forward(self, idx):  # idx: [B, T] byte values -> logits [B, T, vocab]
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
@@ -2228,36 +2429,60 @@ class Diverged(Exception):
     (printed as one line, exit code 3)."""
 
 
+def zero_build(args):
+    """build() for train(): zero.wrap with the command line's settings. The model comes built on
+    the meta device: wrap() initializes it unit by unit (GPT.init_weights), and --init-from's
+    weights are then loaded with each rank reading only its own shards of the file."""
+    def build(model, device):
+        state = read_state_dict(args.init_from) if args.init_from else None  # before building
+        opt = wrap(model, args.stage, adamw(args), units=model.blocks,
+                   param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
+                   bucket_bytes=int(args.bucket_mb * 2**20), check_steps=not args.no_step_check,
+                   shard_size=args.shard_size, init=GPT.init_weights, device=device)
+        if state is not None:
+            try:
+                opt.load_full_state_dict(state)
+            except ValueError as e:
+                raise UsageError(f"--init-from {args.init_from}: {str(e)[len('zero: '):]}") \
+                    from None
+        return model, opt, f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
+    return build
+
+
 def train(args, build=None, keep_params=False, quiet=False):
     """Train the demo model and return what was measured (gathered from every rank).
 
-    build(model) -> (callable model, optimizer, label) chooses how the model is parallelized; the
-    default is zero.wrap. fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2):
-    same model, data, seed, loop and measurements, only the sharding differs.
+    build(model, device) -> (callable model, optimizer, label) chooses how the model, built on
+    the meta device, is parallelized and initialized; the default is zero_build (zero.wrap).
+    fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2): same model, data,
+    seed, loop and measurements, only the sharding differs.
 
-    With args.ckpt_dir: one job per directory (ckpt_dir_lock), checked before anything is built."""
+    With args.ckpt_dir: one job per directory (ckpt_dir_lock), checked before anything is built.
+    Running out of memory (args.max_memory: a limit that is enforced) is one line, OutOfMemory,
+    naming the rank, where it was (where: kept up to date by _train) and the stage's formula."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
     ckpt = getattr(args, "ckpt_dir", None)
+    where = {"what": "building the model", "step": None}
+    with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
+        model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     with ckpt_dir_lock(ckpt, device) if ckpt else contextlib.nullcontext():
-        return _train(args, build, keep_params, quiet, rank, world, device)
+        try:
+            return _train(args, build, keep_params, quiet, rank, world, device, model, where)
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            raise OutOfMemory(oom_line(args, rank, world, psi, where)) from None
 
 
-def _train(args, build, keep_params, quiet, rank, world, device):
+def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
-    torch.manual_seed(args.seed)
-    model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head).to(device)
-    if getattr(args, "init_from", None):
-        init_from(model, args.init_from)
-    if build is None:
-        net, opt = model, wrap(model, args.stage, adamw(args), units=model.blocks,
-                               param_dtype=torch.bfloat16 if args.bf16 else None,
-                               overlap=not args.no_overlap,
-                               bucket_bytes=int(args.bucket_mb * 2**20),
-                               check_steps=not args.no_step_check, shard_size=args.shard_size)
-        label = f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
-    else:
-        net, opt, label = build(model)
+    limit = getattr(args, "max_memory", None)  # runtime: what the rank held before the limit
+    runtime = limit_memory(limit, device) if limit else -1
+    torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
+    net, opt, label = (build or zero_build(args))(model, device)
+    track_where(model, where)
     data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
     log = (lambda *a, **k: None) if quiet else log0
     log(box([("run", label),
@@ -2304,6 +2529,7 @@ def _train(args, build, keep_params, quiet, rank, world, device):
             f"--steps is {args.steps}")
         return None
     for step in range(first, args.steps + 1):
+        where.update(step=step, what="the forward")
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         if step == record:
             start_timeline(opt)
@@ -2318,10 +2544,12 @@ def _train(args, build, keep_params, quiet, rank, world, device):
                     logits = net(x.to(device)).float()
                     loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
                     loss = loss / args.grad_accum
+                    where["what"] = "the backward"
                     loss.backward()
                 loss_sum += loss.detach()
             # The global gradient norm, the same on every rank: clipped to --clip, or with
             # --clip 0 only measured (a scale of exactly 1), for the check below.
+            where["what"] = "the gradient reductions and norm"
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
         # Divergence: a non-finite loss or gradient norm is never applied, so never saved. The
         # loss of the global batch (all-reduced: every rank decides the same) and the norm are
@@ -2337,6 +2565,7 @@ def _train(args, build, keep_params, quiet, rank, world, device):
             raise Diverged(f"step {step}: {what}; stopped before this step was applied. Last good "
                            f"checkpoint: {saved} (try a lower --lr, or --skip-nonfinite)")
         if finite:
+            where["what"] = "the optimizer step"
             with counted:
                 opt.step()
             timeline = stop_timeline(opt) if step == record else timeline
@@ -2361,7 +2590,10 @@ def _train(args, build, keep_params, quiet, rank, world, device):
     # peak (-1: none).
     kinds = ("params", "grads", "optimizer")
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak]
+    rss_peak = _status("VmHWM") if limit and device.type == "cpu" else cuda_peak
+    build_peak = getattr(opt, "build_peak", {})
+    row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak] + \
+        [build_peak.get(k, -1) for k in kinds] + [runtime, rss_peak - runtime]
     ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
@@ -2370,6 +2602,7 @@ def _train(args, build, keep_params, quiet, rank, world, device):
             "mem": dict(zip(kinds, most[:3])),
             "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
+            "build_peak": dict(zip(kinds, most[7:10])), "rss": most[10:12],
             "timeline": timeline,
             "full": opt.full_state_dict() if keep_params else None}
 
@@ -2380,20 +2613,18 @@ def data_position(args, world):
             "grad_accum": args.grad_accum, "data": os.path.basename(__file__)}
 
 
-def init_from(model, path):
-    """Start from a plain state_dict file (what --consolidate writes, or
-    torch.save(model.state_dict()))."""
+def read_state_dict(path):
+    """--init-from: a plain state_dict file (what --consolidate writes, or
+    torch.save(model.state_dict())), memory-mapped: its pages are read only where used."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
                          f"({type(e).__name__}: {' '.join(lines)[:200]})") from None
-    try:
-        model.load_state_dict(state)
-    except Exception as e:  # weights for another model
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise UsageError(f"--init-from {path}: {' '.join(lines)[:300]}") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
+    return state
 
 
 def report(res, args):
@@ -2463,6 +2694,249 @@ def report(res, args):
     if res["cuda_peak"]:
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory wall. --max-memory SIZE puts a real limit on what each rank may allocate, one the
+# operating system (or CUDA's allocator) enforces, so that "this stage fits in this much memory"
+# is a fact and not a formula; --largest-model then finds, by trying, the largest demo GPT that
+# each stage trains within it: how much larger a model ZeRO trains on the same ranks.
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def memory_size(text):
+    """An argparse type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes."""
+    number = text.strip().rstrip("BbIiKkMmGgTt ")
+    unit = text.strip()[len(number):].strip().upper()
+    try:
+        size = float(number) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
+    if not 0 < size < 2**62:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return int(size)
+
+
+def _status(field):  # bytes, from this process's /proc/self/status (Linux)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def limit_memory(size, device):
+    """From now on this rank may allocate `size` bytes beyond what it holds now (its runtime:
+    Python, torch, the process group). CPU: RLIMIT_DATA, the limit Linux puts on a process's
+    data (the heap and its private mappings, where torch's CPU tensors live), set `size` above
+    what the process has; an allocation past it fails and torch raises its out-of-memory error.
+    CUDA: torch.cuda.set_per_process_memory_fraction, the share of the GPU torch's caching
+    allocator may take. Returns the runtime's resident bytes (CPU; 0 on CUDA)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
+        return 0
+    import ctypes, resource
+    w = torch.zeros(1, requires_grad=True)  # runtime, so before the limit: the first optimizer
+    w.grad = torch.zeros(1)                 # imports ~65 MB of modules, the first parallel
+    torch.optim.AdamW([w]).step()           # kernel starts the threads (their stacks count)
+    torch.ones(256, 256) @ torch.ones(256, 256)
+    try:  # glibc: freed tensors go back to the system (else the heap keeps them, and they count)
+        ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD: 64 KiB and up get mmap'd
+    except (OSError, AttributeError):
+        pass
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        new = _status("VmData") + size
+        if hard != resource.RLIM_INFINITY:
+            new = min(new, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM, the peak resident size, starts again from here
+        return _status("VmRSS")
+    except (OSError, ValueError, StopIteration) as e:
+        raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
+            from None
+
+
+class OutOfMemory(Exception):
+    """A rank ran out of memory (under --max-memory, or a real one): one line, exit code 4."""
+
+
+def out_of_memory(e):
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+        m in str(e) for m in ("can't allocate memory", "Cannot allocate memory", "bad_alloc"))
+
+
+def track_where(model, where):
+    """Keep where["what"] saying what this rank is doing, for the line that names where memory
+    ran out: the forward or the backward of which block (hooks on the demo GPT's blocks)."""
+    def forward(name, module, args):
+        where["what"] = f"the forward of {name}"
+
+    def backward_next(name, module, args, output):
+        if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
+            output.register_hook(lambda g: where.update(what=f"the backward of {name}"))
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(functools.partial(forward, f"blocks.{i}"))
+        block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
+
+
+def oom_line(args, rank, world, psi, where):
+    G = args.shard_size or world
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    need = sum(memory_formula(args.stage, psi, world, pb, gb, ob, shard_size=G).values())
+    step = f"step {where['step']}, " if where.get("step") else ""
+    limit = f" (--max-memory {_si(args.max_memory)}B)" if getattr(args, "max_memory", None) \
+        else ""
+    return (f"rank {rank}: out of memory in {step}{where['what']}{limit}; stage {args.stage}'s "
+            f"formula: its model state alone is {_si(need)}B per rank (Ψ = {psi:,}, N = {world}"
+            + (f", G = {G})" if G < world else ")"))
+
+
+def largest_model(args):
+    """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
+    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying:
+    doubling the blocks until a trial fails, then halving the gap. Each trial is a fresh job of
+    N processes on this machine; one that runs out of memory ends that trial only."""
+    N, rows, start = args.world_size, [], 1
+    for stage in range(4):
+        tried = {}
+
+        def fits(layers):
+            if layers not in tried:
+                tried[layers] = _trial(args, stage, layers)
+                res = tried[layers]
+                print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
+                      ("trained" if res["ok"] else res["error"][:60]), flush=True)
+            return tried[layers]["ok"]
+        lo, hi = 0, start  # lo: the most blocks known to fit (0: none); hi: the next to try
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > MAX_LAYERS:
+                break
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        rows.append((stage, tried.get(lo), tried.get(hi)))
+        start = max(lo, 1)  # a later stage holds less: it fits at least as many blocks
+    print_memory_wall(args, rows)
+
+
+MAX_LAYERS = 4096  # --largest-model stops doubling here
+
+
+def _trial(args, stage, layers):
+    """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
+    Returns what rank 0 measured, or the first error a rank reported."""
+    import multiprocessing as mp
+    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2",
+            "--d-model", str(args.d_model), "--n-head", str(args.n_head),
+            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+            "--max-memory", str(args.max_memory), "--timeout", str(args.timeout),
+            "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
+        (["--shard-size", str(args.shard_size)] if args.shard_size else []) + \
+        (["--backend", args.backend] if args.backend else []) + \
+        (["--device", args.device] if args.device else [])
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
+                                         args.n_head).parameters())
+    ctx, port = mp.get_context("spawn"), _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
+    procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
+             for r, (_, send) in enumerate(pipes)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.time() + 120 + 4 * args.timeout
+    try:
+        from multiprocessing.connection import wait
+        waiting = {recv: r for r, (recv, _) in enumerate(pipes)}
+        while waiting and time.time() < deadline:
+            for recv in wait(list(waiting), timeout=1):
+                r = waiting.pop(recv)
+                try:
+                    results[r] = recv.recv()
+                except EOFError:
+                    results[r] = {"ok": False, "error": f"rank {r} died (exit code "
+                                                        f"{procs[r].exitcode})"}
+                if not results[r]["ok"] and "out of memory" in results[r]["error"]:
+                    waiting = {}  # the trial is over: its other ranks only wait for this one
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    failed = [res for r, res in sorted(results.items()) if not res["ok"]]
+    oom = [res for res in failed if "out of memory" in res["error"]]
+    if not failed and len(results) < args.world_size:
+        failed = [{"ok": False, "error": "no answer before the deadline"}]
+    out = (oom or failed or [results[0]])[0]
+    if failed and not oom:
+        raise UsageError(f"--largest-model: a trial failed for another reason than memory "
+                         f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
+    return {**out, "psi": psi, "layers": layers}
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trial_rank(rank, world, port, argv, send):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
+    os.dup2(devnull, 2)
+    try:
+        args = check_args(training_parser("").parse_args(argv))
+        res = train(args, quiet=True)
+        send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["rss"][0],
+                   "rest": res["rss"][1] - sum(res["peak"].values()),
+                   "build": sum(res["build_peak"].values())})
+    except OutOfMemory as e:
+        send.send({"ok": False, "error": str(e)})
+    except BaseException as e:  # anything else: the trial's one line
+        text = str(e).strip().splitlines()
+        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: "
+                                         f"{text[0][:200] if text else ''}"})
+    os._exit(0)
+
+
+def print_memory_wall(args, rows):
+    N = args.world_size
+    G = args.shard_size or N
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
+    print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
+          f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
+          + (f" (G = {G})" if G < N else "") + f"; blocks of d_model {args.d_model}, "
+          f"{args.n_head} heads, {args.batch_size} rows x {args.seq_len} bytes per rank, "
+          + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
+    print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
+          f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
+    best = {}
+    for stage, ok, no in rows:
+        left = (f"{ok['layers']:>6} {ok['psi']:>12,} {_si(formula(stage, ok['psi'])):>8}B "
+                f"{_si(ok['state']):>8}B {_si(ok['rest']):>7}B") if ok and ok["ok"] else \
+            f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
+        right = (f"{no['layers']:>6} {no['psi']:>12,} {_si(formula(stage, no['psi'])):>8}B"
+                 if no and not no["ok"] else f"{'-':>6}")
+        print(f"{stage:<6}{left} | {right}")
+        if ok and ok["ok"]:
+            best[stage] = ok
+    runtime = [b["runtime"] for b in best.values() if b["runtime"]]
+    print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1); "
+          "measured: the most\nmodel state a rank held (zero.py's own count); rest: the peak "
+          "memory a rank used above its\nruntime, less that model state: activations, the "
+          "backend's buffers, temporaries, the allocator's\nslack" + (
+              f". Runtime (Python, torch, gloo), not counted in --max-memory: "
+              f"{_si(max(runtime))}B per rank" if runtime else ""))
+    if 0 in best and 3 in best:
+        print(f"stage 3 trains {best[3]['psi'] / best[0]['psi']:.1f}x the parameters of stage 0 "
+              "on the same ranks")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2537,6 +3011,13 @@ def training_parser(description):
     p.add_argument("--shard-size", type=positive(int),
                    help="hybrid sharding: stages 1-3 shard over groups of G consecutive ranks, "
                         "replicated across the N/G groups (default: N, every rank)")
+    p.add_argument("--init-from", metavar="FILE",
+                   help="start from a plain state_dict file, e.g. from --consolidate "
+                        "(default: a fresh model)")
+    p.add_argument("--max-memory", type=memory_size, metavar="SIZE",
+                   help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its "
+                        "runtime, enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on "
+                        "a GPU; running out is one line, exit code 4 (default: no limit)")
     p.add_argument("--no-step-check", action="store_true",
                    help="skip the per-step check that ranks communicated the same units (one "
                         "16-byte all_reduce a step)")
@@ -2576,15 +3057,15 @@ def main(argv=None):
     p.add_argument("--params", type=positive(float),
                    help="Ψ for --estimate, e.g. 7.5e9 (default: none, --estimate needs it)")
     p.add_argument("--world-size", type=positive(int),
-                   help="N for --estimate (default: none, --estimate needs it)")
+                   help="N for --estimate and --largest-model (default: none, they need it)")
+    p.add_argument("--largest-model", action="store_true",
+                   help="find the largest demo GPT (more blocks) each stage trains within "
+                        "--max-memory on --world-size ranks, launching the trials itself")
     p.add_argument("--ckpt-dir",
                    help="write sharded checkpoints here and resume from the newest complete one; "
                         "one job per directory (default: no checkpoints)")
     p.add_argument("--ckpt-every", type=positive(int),
                    help="steps between checkpoints (default: after the last step only)")
-    p.add_argument("--init-from", metavar="FILE",
-                   help="start from a plain state_dict file, e.g. from --consolidate "
-                        "(default: a fresh model)")
     p.add_argument("--consolidate", metavar="DIR",
                    help="write the newest checkpoint in DIR (or DIR itself, a checkpoint) as one "
                         "plain state_dict (--out) and exit (default: train)")
@@ -2601,8 +3082,18 @@ def main(argv=None):
         args.record_step = args.steps
     if args.ckpt_every and not args.ckpt_dir:
         raise UsageError("--ckpt-every needs --ckpt-dir")
-    if (args.params is not None or args.world_size is not None) and not args.estimate:
-        raise UsageError("--params and --world-size are for --estimate")
+    if args.largest_model:
+        if args.max_memory is None or args.world_size is None:
+            raise UsageError("--largest-model needs --max-memory and --world-size")
+        if args.shard_size and args.world_size % args.shard_size:
+            raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
+                             f"{args.world_size}")
+        if "RANK" in os.environ:
+            raise UsageError("--largest-model launches its own ranks: run it without torchrun")
+    elif args.world_size is not None and not args.estimate:
+        raise UsageError("--world-size is for --estimate and --largest-model")
+    if args.params is not None and not args.estimate:
+        raise UsageError("--params is for --estimate")
     if args.out and not args.consolidate:
         raise UsageError("--out is for --consolidate")
     if args.estimate:
@@ -2627,6 +3118,8 @@ def main(argv=None):
         print(f"wrote {args.out}: {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
               f"(written at stage {m['stage']} by {m['world_size']} rank(s), "
               "fp32 master weights)")
+    elif args.largest_model:
+        largest_model(args)
     elif args.timeline_all:
         train_every_stage(args)
     else:
@@ -2643,7 +3136,8 @@ PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Tim
 
 def run(main, argv=None):
     """Run a command-line main: bad input is one line and exit code 2; a run stopped by a loss
-    or gradient norm that is not finite, one line and exit code 3."""
+    or gradient norm that is not finite, one line and exit code 3; a rank out of memory, one
+    line (that rank's) and exit code 4."""
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
     try:
@@ -2660,6 +3154,9 @@ def run(main, argv=None):
         if rank0:
             print(f"{prog}: error: {str(e)[len('zero: '):]}", file=sys.stderr)
         code = 2
+    except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        code = 4
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
         if rank0:
             print(f"{prog}: interrupted; the checkpoints written so far are intact",
@@ -2674,7 +3171,7 @@ def run(main, argv=None):
               f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})",
               file=sys.stderr)
         code = 1
-    if dist.is_initialized() and code not in (1, 130):
+    if dist.is_initialized() and code not in (1, 4, 130):
         dist.destroy_process_group()
     # Leave without the interpreter's teardown. With torch 2.13's gloo, a worker thread can still be
     # releasing the tensors of the last collective while Python shuts down, and the process then
