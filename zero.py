@@ -665,6 +665,10 @@ def make_units(zero, model, modules):
     if zero.stage == 0 and zero.G != zero.world:
         raise ValueError("zero: shard_size is for stages 1-3 (hybrid sharding); stage 0 shards "
                          "nothing")
+    real = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+    if real and len(real) < len(list(model.parameters())):  # (make_units then materialize)
+        raise ValueError(f"zero: some parameters are on the meta device and {real[0][0]} is on "
+                         f"{real[0][1].device}: build the whole model under torch.device('meta')")
     modules = default_units(model) if modules is None else list(modules)
     inside = {id(m) for m in model.modules() if m is not model}
     if any(id(m) not in inside for m in modules):
@@ -726,19 +730,12 @@ def replicated(model):
 def build_device(zero, device):
     """Where the model lives: its own device, or for a model built on the meta device `device`,
     by default this rank's GPU under NCCL, else the CPU."""
-    params = list(zero.model.parameters())
-    on_meta = [p.is_meta for p in params]
-    if not any(on_meta):
+    if not zero.units[0].flat.is_meta:
         here = zero.units[0].flat.device
         if device is not None and torch.device(device) != here:
             raise ValueError(f"zero: device={device} is for a model built on the meta device; "
                              f"this one is on {here}")
         return here
-    if not all(on_meta):
-        names = {p: n for n, p in zero.model.named_parameters()}
-        real = next(p for p in params if not p.is_meta)
-        raise ValueError(f"zero: some parameters are on the meta device and {names[real]} is on "
-                         f"{real.device}: build the whole model under torch.device('meta')")
     if device is None:
         return (torch.device("cuda", torch.cuda.current_device())
                 if dist.get_backend() == "nccl" else torch.device("cpu"))
@@ -2480,6 +2477,8 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
     limit = getattr(args, "max_memory", None)  # runtime: what the rank held before the limit
     runtime = limit_memory(limit, device) if limit else -1
+    if limit and device.type == "cpu":
+        where["data"] = where["data0"] = _status("VmData")  # the data size the limit counts
     torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
     net, opt, label = (build or zero_build(args))(model, device)
     track_where(model, where)
@@ -2529,7 +2528,8 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             f"--steps is {args.steps}")
         return None
     for step in range(first, args.steps + 1):
-        where.update(step=step, what="the forward")
+        where["step"] = step
+        note(where, "the forward")
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         if step == record:
             start_timeline(opt)
@@ -2544,12 +2544,12 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
                     logits = net(x.to(device)).float()
                     loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
                     loss = loss / args.grad_accum
-                    where["what"] = "the backward"
+                    note(where, "the backward")
                     loss.backward()
                 loss_sum += loss.detach()
             # The global gradient norm, the same on every rank: clipped to --clip, or with
             # --clip 0 only measured (a scale of exactly 1), for the check below.
-            where["what"] = "the gradient reductions and norm"
+            note(where, "the gradient reductions and norm")
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
         # Divergence: a non-finite loss or gradient norm is never applied, so never saved. The
         # loss of the global batch (all-reduced: every rank decides the same) and the norm are
@@ -2565,12 +2565,13 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             raise Diverged(f"step {step}: {what}; stopped before this step was applied. Last good "
                            f"checkpoint: {saved} (try a lower --lr, or --skip-nonfinite)")
         if finite:
-            where["what"] = "the optimizer step"
+            note(where, "the optimizer step")
             with counted:
                 opt.step()
             timeline = stop_timeline(opt) if step == record else timeline
         else:
             skipped += 1
+        note(where, "after the optimizer step")
         mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state held
         opt.zero_grad()
         if device.type == "cuda":
@@ -2590,10 +2591,12 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     # peak (-1: none).
     kinds = ("params", "grads", "optimizer")
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    rss_peak = _status("VmHWM") if limit and device.type == "cpu" else cuda_peak
+    # Under --max-memory: the most this rank allocated above its runtime (CPU: the data size
+    # sampled at every block's forward and backward; CUDA: the allocator's own peak)
+    used = where["data"] - where["data0"] if "data" in where else cuda_peak
     build_peak = getattr(opt, "build_peak", {})
     row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak] + \
-        [build_peak.get(k, -1) for k in kinds] + [runtime, rss_peak - runtime]
+        [build_peak.get(k, -1) for k in kinds] + [runtime, used]
     ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
@@ -2602,7 +2605,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             "mem": dict(zip(kinds, most[:3])),
             "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
-            "build_peak": dict(zip(kinds, most[7:10])), "rss": most[10:12],
+            "build_peak": dict(zip(kinds, most[7:10])), "runtime": most[10], "used": most[11],
             "timeline": timeline,
             "full": opt.full_state_dict() if keep_params else None}
 
@@ -2769,16 +2772,24 @@ def out_of_memory(e):
 
 def track_where(model, where):
     """Keep where["what"] saying what this rank is doing, for the line that names where memory
-    ran out: the forward or the backward of which block (hooks on the demo GPT's blocks)."""
+    ran out: the forward or the backward of which block (hooks on the demo GPT's blocks). Under
+    --max-memory on CPU also where["data"], the largest data size seen at those moments (what
+    RLIMIT_DATA limits; Linux keeps no peak of it, so it is sampled)."""
     def forward(name, module, args):
-        where["what"] = f"the forward of {name}"
+        note(where, f"the forward of {name}")
 
     def backward_next(name, module, args, output):
         if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
-            output.register_hook(lambda g: where.update(what=f"the backward of {name}"))
+            output.register_hook(lambda g: note(where, f"the backward of {name}"))
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(functools.partial(forward, f"blocks.{i}"))
         block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
+
+
+def note(where, what):
+    where["what"] = what
+    if "data" in where:
+        where["data"] = max(where["data"], _status("VmData"))
 
 
 def oom_line(args, rank, world, psi, where):
@@ -2893,9 +2904,8 @@ def _trial_rank(rank, world, port, argv, send):
     try:
         args = check_args(training_parser("").parse_args(argv))
         res = train(args, quiet=True)
-        send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["rss"][0],
-                   "rest": res["rss"][1] - sum(res["peak"].values()),
-                   "build": sum(res["build_peak"].values())})
+        send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
+                   "rest": res["used"] - sum(res["peak"].values())})
     except OutOfMemory as e:
         send.send({"ok": False, "error": str(e)})
     except BaseException as e:  # anything else: the trial's one line
@@ -2929,9 +2939,10 @@ def print_memory_wall(args, rows):
             best[stage] = ok
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1); "
-          "measured: the most\nmodel state a rank held (zero.py's own count); rest: the peak "
-          "memory a rank used above its\nruntime, less that model state: activations, the "
-          "backend's buffers, temporaries, the allocator's\nslack" + (
+          "measured: the most\nmodel state a rank held (zero.py's own count); rest: the most a "
+          "rank allocated above its runtime\n(CPU: the data size, sampled at each block's "
+          "forward and backward), less that model state:\nactivations, the backend's buffers, "
+          "temporaries, Python's objects" + (
               f". Runtime (Python, torch, gloo), not counted in --max-memory: "
               f"{_si(max(runtime))}B per rank" if runtime else ""))
     if 0 in best and 3 in best:
