@@ -2655,6 +2655,11 @@ def report(res, args):
          "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and "
          "the\n"
          "   gathered units of stage 3)")
+    built = res.get("build_peak") or {}
+    if ours and built.get("params", -1) >= 0:  # the model came built on the meta device
+        log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
+             f"{sum(built.values()):,} bytes\n   of model state held on a rank, against "
+             f"{pb * psi:,} for the whole model's parameters")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
          f"bytes,\n  reductions in 4; N = {world}, k = {k} micro-batches"
          + (f", G = {G}: hybrid)" if G < world else ")"))
