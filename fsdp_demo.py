@@ -44,6 +44,10 @@ FSDP2's knobs and the zero.py code that does the same job:
   cuts one flat buffer per unit. Both give each rank 1/N of every unit.
 - fully_shard(mesh=init_device_mesh(device, (N/G, G))): hybrid sharding (HSDP), shard over G,
   replicate over N/G: zero.py's --shard-size G (hybrid_groups). --compare --shard-size G runs both.
+- A model built on the meta device: fully_shard it there, then to_empty() and an init, then
+  set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) for weights that rank 0
+  holds (materialize below): zero.wrap(init=...) (materialize in zero.py) and
+  load_full_state_dict, where each rank reads its own shards of the file instead.
 
 What FSDP2 and DeepSpeed offer that zero.py leaves out, and why: CUDA streams and events for
 overlap (zero.py uses the backends' async work handles, which is all gloo has), per-parameter

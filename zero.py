@@ -180,8 +180,8 @@ class DataParallel:
         check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
         self.shard_group, self.replica_group = hybrid_groups(self)  # G = N: None, None
         # Unit by unit. A model built on the meta device (no memory yet) gets each unit
-        # allocated and initialized by materialize() (Part II) only when the one before it has
-        # been cut to its shard: no rank ever holds the whole model, not even while building it.
+        # allocated and initialized by materialize() (Part II) just before it is cut here: no
+        # rank ever holds the whole model, not even while building it.
         for unit in materialize(self, init):
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
             full = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
@@ -723,7 +723,9 @@ def replicated(model):
 # broadcast and cut to this rank's shard (stage 3 frees the rest) as soon as the last module
 # holding any of its parameters is initialized; only then is the next unit allocated. So at
 # stage 3 a rank holds its shards, the root unit (its modules come first and last: the
-# embedding and the head) and the one unit being initialized, never the whole model. The
+# embedding and the head) and the one unit being initialized, never the whole model. (A unit
+# with a parameter that a later module shares, such as an embedding unit tied to a head unit,
+# stays whole until that module is initialized: its init draws that parameter again.) The
 # random numbers are drawn in the same order as by that plain loop over a normally built model
 # after the same torch.manual_seed: the same weights, bit for bit.
 
@@ -2748,8 +2750,11 @@ def limit_memory(size, device):
     w.grad = torch.zeros(1)                 # imports ~65 MB of modules, the first parallel
     torch.optim.AdamW([w]).step()           # kernel starts the threads (their stacks count)
     torch.ones(256, 256) @ torch.ones(256, 256)
-    try:  # glibc: freed tensors go back to the system (else the heap keeps them, and they count)
-        ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD: 64 KiB and up get mmap'd
+    # glibc: each allocation of 64 KiB or more gets a mapping of its own, given back when freed
+    # (else the heap keeps freed tensors, and the limit counts them). The price: fresh pages, and
+    # their faults, for every new tensor, so a limited run is slower than an unlimited one.
+    try:
+        ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
     try:
