@@ -478,7 +478,7 @@ class ZeRO3(ZeRO2):
         self._free(unit)
 
     def _gather(self, unit, prefetch=False):
-        if not unit.gathered:
+        if not unit.gathered:  # a new block, on the compute stream (on CUDA: see _free)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.prefetch = all_gather(unit.flat, unit.shard, prefetch, self.shard_group)  # N x [S]
             self.meter.sent("all_gather", unit.flat, unit)
@@ -496,6 +496,17 @@ class ZeRO3(ZeRO2):
         # the parameter for backward. Shrinking the storage itself frees the memory under every
         # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
         # autograd saved sees the gathered values again in backward.
+        # On CUDA, with streams: an all-gather runs after every kernel queued before it (NCCL's
+        # async one on a stream of its own, which first waits for an event recorded on the
+        # compute stream; a blocking one on the compute stream itself; gloo's through host memory,
+        # after such an event too), and its wait() makes the compute stream wait for it: nothing
+        # computes with a unit before it has landed. Freeing needs that wait as well: resize_(0)
+        # hands the memory back to the caching allocator at once, even while the collective's
+        # Work still holds the tensor (which keeps the tensor, not a resized storage's memory).
+        # After the wait, the block goes only to later allocations on the compute stream, where
+        # _gather made it, and what is queued there runs after the kernels that read the old
+        # values (the forward, queued before the free) and after the collective: stream order
+        # makes it safe, with no record_stream.
         if unit.prefetch is not None:
             unit.prefetch.wait()
             unit.prefetch = None
