@@ -878,8 +878,10 @@ def optimizer_pieces(zero):
     """The tensors the optimizer steps: each unit's master cut into pieces of at most PIECE
     elements (views, no copy). Exact all the same (element-wise optimizers), and it bounds the
     temporaries torch's optimizers allocate per tensor (Adam's sqrt(v) + eps, ...) to one
-    piece: one [S] temporary of a 50M-parameter shard would be 200 MB of transient memory.
-    Each piece costs Adam a step counter of its own."""
+    piece: one [S] temporary of a 50M-parameter shard would be 200 MB of transient memory. So
+    with their for-loop implementation, the default on CPU; on CUDA the default is foreach, which
+    makes each temporary for all the tensors at once: one fp32 [S] while the step runs, whatever
+    the pieces. Each piece costs Adam a step counter of its own."""
     device = zero.units[0].flat.device
     zero.piece = PIECE.get(device.type, PIECE["cuda"])
     for u in zero.units:
