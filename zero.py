@@ -2463,6 +2463,11 @@ def report(res, args):
              f"{A2A_BYTES >> 20} MB),"
              "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see\n"
              "   reduce_scatter() in zero.py)")
+    if ours and stage > 0 and dist.get_backend() == "gloo" and res["cuda_peak"] is not None:
+        log0("  (gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of the whole "
+             "input,\n   through host memory: on the wire an all-reduce's bytes, twice a ring "
+             "reduce-scatter's,\n   and on the GPU one more full-unit gradient per reduction in "
+             "flight, not in 'peak')")
     if ours and comm.get("all_reduce") and world > 1:
         why = ["16 bytes a step that check ranks agree (check_steps)"]
         if stage >= 1:
