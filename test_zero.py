@@ -105,6 +105,7 @@ import torch.nn.functional as F
 import zero
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEVICE = torch.device("cpu")  # where a rank process computes: this rank's GPU in a CUDA run (_rank_process)
 V, D, H, B, T = 13, 6, 11, 3, 5  # vocab, width, hidden, rows per rank, tokens per row
 STEPS = 3
 CASES = {
@@ -156,7 +157,7 @@ def run_steps(model, optimizer, clip, case, rows, world, steps, start=0, after_s
     zero.py's micro-batches but the last run in no_sync() (no_sync=False: every backward reduces)."""
     for step in range(start, start + steps):
         for micro in range(case["accum"]):
-            x, y = (t[rows] for t in global_batch(step, micro, world))
+            x, y = (t[rows].to(DEVICE) for t in global_batch(step, micro, world))
             deferred = no_sync and hasattr(optimizer, "no_sync") and micro < case["accum"] - 1
             with optimizer.no_sync() if deferred else contextlib.nullcontext():
                 loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / case["accum"]
@@ -180,7 +181,7 @@ def reference(case, world, steps=STEPS):
 
 
 def wrapped(rank, stage, case, seed, **kwargs):
-    model = Net(seed=seed + rank)
+    model = Net(seed=seed + rank).to(DEVICE)
     units = {"blocks": list(model.blocks), "each": [model.emb, *model.blocks, model.norm, model.head],
              None: None}[CASES[case]["units"]]
     return model, zero.wrap(model, stage, CASES[case]["optimizer"], units=units, **kwargs)
@@ -377,23 +378,29 @@ def _free_port():
 
 
 def _rank_process(conn):
-    """A process of the pool. Each task: join a new gloo group as `rank` of `world`, call each
-    function fn(rank, world) in turn, from zero.py's own settings, and save what they returned."""
+    """A process of the pool. Each task: join a new process group as `rank` of `world`, call each
+    function fn(rank, world) in turn, from zero.py's own settings, and save what they returned.
+    The group: gloo on CPU tensors, or for a CUDA run (transport "cuda-gloo" or "cuda-nccl") that
+    backend on the GPU zero.setup gives this rank (NCCL: its own; gloo: local rank modulo the
+    GPUs, so N ranks share one GPU where there is one). CUDA is touched in CUDA runs only."""
+    global DEVICE
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     defaults = {name: copy.deepcopy(getattr(zero, name)) for name in ZERO_SETTINGS}
     while (task := conn.recv()) is not None:
-        rank, world, port, fns, shared, result = task
+        rank, world, port, fns, shared, result, transport = task
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ZERO_TEST_TMP=shared)
         try:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+            backend = "nccl" if transport == "cuda-nccl" else "gloo"
+            DEVICE = torch.device("cpu") if transport == "cpu" else zero.choose_device(backend, "cuda")[1]
+            dist.init_process_group(backend, timeout=timedelta(seconds=60))
             out = {}
             for fn in fns:
                 for name, value in defaults.items():
                     setattr(zero, name, copy.deepcopy(value))
                 out[fn] = globals()[fn](rank, world)
-            torch.save(out, result)
+            torch.save(out if transport == "cpu" else on_cpu(out), result)  # the tests read them on CPU
             dist.destroy_process_group()
             conn.send(None)
         except BaseException:
@@ -408,9 +415,9 @@ class Pool:
     def __init__(self, size):
         self.size, self.procs, self.conns = size, [], []
 
-    def run(self, world, fns, shared):
+    def run(self, world, fns, shared, transport="cpu"):
         """[{fn: fn(rank, world)} for rank in range(world)]: the functions run in order on `world`
-        ranks, which find the directory `shared` in $ZERO_TEST_TMP."""
+        ranks, which find the directory `shared` in $ZERO_TEST_TMP (transport: see _rank_process)."""
         if not self.procs or not all(proc.is_alive() for proc in self.procs):  # none yet, or one has gone
             self.close(kill=True)
             ctx = mp.get_context("spawn")
@@ -425,7 +432,7 @@ class Pool:
             files = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
             try:
                 for r in range(world):
-                    self.conns[r].send((r, world, port, list(fns), str(shared), files[r]))
+                    self.conns[r].send((r, world, port, list(fns), str(shared), files[r], transport))
                 errors = self._errors(world)
             except OSError:  # a rank process has ended
                 errors = {r: self._gone(r) for r in range(world) if not self.procs[r].is_alive()} or {0: "no pipe"}
@@ -514,9 +521,79 @@ def world4_again(pool, shared, world2):
     return pool.run(4, ["reshard_read", "fsdp_scenarios"], shared)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"N{w}")
+# The same scenarios on a GPU: each (transport, N) below is one run of N ranks on CUDA tensors, in
+# a pool of its own that starts only when a CUDA case runs and a GPU is visible (cuda_runs). N
+# ranks share one GPU over gloo (NCCL refuses two ranks on one GPU); NCCL runs where there is a
+# GPU per rank, and with one rank on any GPU (what `python zero.py` does on a one-GPU machine).
+CUDA_RUNS = [("cuda-nccl", 1), ("cuda-gloo", 2), ("cuda-gloo", 4), ("cuda-nccl", 2), ("cuda-nccl", 4)]
+CUDA_FNS = {1: ["scenarios"], 2: ["scenarios"], 4: ["scenarios", "hybrid"]}
+
+
+def run_id(run):
+    transport, world = run
+    return f"N{world}" if transport == "cpu" else f"{transport}-N{world}"
+
+
+def cuda_missing(transport="cuda-gloo", world=1):
+    """Why a CUDA run of `world` ranks over `transport` cannot run here; None if it can."""
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or torch.version.hip
+        return f"no CUDA GPU: {'none is visible' if built else 'this torch is built without CUDA'} " \
+               f"(torch {torch.__version__})"
+    if transport == "cuda-nccl" and not dist.is_nccl_available():
+        return f"NCCL: this torch ({torch.__version__}) is built without it"
+    if transport == "cuda-nccl" and torch.cuda.device_count() < world:
+        return (f"NCCL needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} GPU(s) visible "
+                "(the cuda-gloo cases share one)")
+    return None
+
+
+def on_cpu(x):
+    """x with every tensor in it moved to the CPU (dicts, lists and tuples opened)."""
+    if torch.is_tensor(x):
+        return x.cpu()
+    if isinstance(x, dict):
+        return type(x)({k: on_cpu(v) for k, v in x.items()})
+    return type(x)(on_cpu(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+@pytest.fixture(scope="module")
+def cuda_runs(tmp_path_factory):
+    """run(transport, world): the results of that CUDA run (CUDA_FNS[world] on every rank), made
+    once; the test is skipped, saying what is missing, where it cannot run."""
+    pool, done = [], {}
+
+    def run(transport, world):
+        missing = cuda_missing(transport, world)
+        if missing:
+            pytest.skip(missing)
+        if (transport, world) not in done:
+            if not pool:  # the first CUDA run starts the pool
+                pool.append(Pool(4))
+            try:
+                done[transport, world] = pool[0].run(world, CUDA_FNS[world], tmp_path_factory.mktemp(
+                    run_id((transport, world))), transport)
+            except Exception as e:  # every test of this run fails with it, without running it again
+                done[transport, world] = e
+        if isinstance(done[transport, world], Exception):
+            raise done[transport, world]
+        return done[transport, world]
+    yield run
+    if pool:
+        pool[0].close()
+
+
+def run_results(request, run, fn):
+    """Every rank's result of `fn` in `run` = (transport, N): the CPU pool's, or a CUDA run's."""
+    transport, world = run
+    runs = request.getfixturevalue(f"world{world}") if transport == "cpu" else \
+        request.getfixturevalue("cuda_runs")(transport, world)
+    return [res[fn] for res in runs]
+
+
+@pytest.fixture(scope="module", params=[("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS], ids=run_id)
 def ranks(request):
-    return request.param, [res["scenarios"] for res in request.getfixturevalue(f"world{request.param}")]
+    return request.param[1], run_results(request, request.param, "scenarios")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1934,6 +2011,8 @@ def hybrid(rank, world):
         except ValueError as e:
             out["bad"].append(str(e))
     # PyTorch's counterpart: FSDP2 on a 2-D mesh (replicate x shard), against zero.py's stage 3
+    if DEVICE.type != "cpu":
+        return out
     import fsdp_demo
     args = zero.training_parser("").parse_args(SMALL + ["--stage", "3", "--shard-size", str(G)])
     theirs, ours = fsdp_demo.compare(args, keep_params=True)
@@ -1941,9 +2020,9 @@ def hybrid(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def hybrid_runs(world4):
-    return [res["hybrid"] for res in world4]
+@pytest.fixture(scope="module", params=[("cpu", 4), ("cuda-gloo", 4), ("cuda-nccl", 4)], ids=run_id)
+def hybrid_runs(request):
+    return run_results(request, request.param, "hybrid")
 
 
 @pytest.mark.parametrize("case", ["adamw", "sgd-accum"])
@@ -2308,8 +2387,8 @@ def test_ranks_that_disagree_are_one_line_under_torchrun():
     assert err1 == "" and "Traceback" not in out0 + out1
 
 
-def test_hybrid_pytorch_counterpart_trains_like_zero(hybrid_runs):
-    for res in hybrid_runs:
+def test_hybrid_pytorch_counterpart_trains_like_zero(world4):
+    for res in (r["hybrid"] for r in world4):  # (on CPU: the CUDA runs leave PyTorch's out)
         theirs, ours = res["pytorch"]["theirs"], res["pytorch"]["ours"]
         assert max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"])) <= 1e-5
         for name, t in ours["full"].items():
