@@ -370,7 +370,9 @@ def bench(args):
     medians over every timed step. The first step of each run warms up and is the one whose bytes
     are counted (PyTorch's at the dispatcher: that mode slows what it watches), so no timed step
     is counted and no counted step is timed. Printed only; the tests never assert a timing."""
-    world = zero.setup(args.backend, args.device, args.timeout)[1]
+    _, world, device = zero.setup(args.backend, args.device, args.timeout)
+    # On CUDA a collective returns once queued: the clock is read when the GPU is done with it
+    done = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     rows = []
     for name, size in BENCH_MODELS:
         for stage in range(4):
@@ -413,19 +415,20 @@ def bench(args):
     # all-reduce, as ring algorithms give.
     # The cost of zero.py's per-step check that ranks communicated the same units (one all-reduce
     # of 16 bytes per step, zero.check_step_agrees; check_steps=False, --no-step-check: off)
-    check, took = torch.zeros(2, dtype=torch.int64), []
+    check, took = torch.zeros(2, dtype=torch.int64, device=device), []
     for _ in range(1 + 10 * args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(check, op=dist.ReduceOp.MAX)
+        done()
         took.append(time.perf_counter() - t0)
     check_ms = statistics.median(took[1:]) * 1e3
     step_ms = rows[0][3]["zero.py"] * 1e3  # the default model, stage 0
     log(f"per-step check that ranks agree (one 16-byte all_reduce): {check_ms:.3f} ms, "
         f"{100 * check_ms / step_ms:.1f}% of the {rows[0][0]} model's stage-0 step")
     psi = rows[-1][2]
-    x, times = torch.randn(psi // world * world), {}
-    shard, full = torch.empty(x.numel() // world), torch.empty_like(x)
+    x, times = torch.randn(psi // world * world, device=device), {}
+    shard, full = torch.empty(x.numel() // world, device=device), torch.empty_like(x)
     for name, call in [("all_reduce", lambda: dist.all_reduce(x)),
                        ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
                        ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
@@ -436,6 +439,7 @@ def bench(args):
             dist.barrier()
             t0 = time.perf_counter()
             call()
+            done()
             took.append(time.perf_counter() - t0)
         times[name] = statistics.median(took[1:]) * 1e3
     ours = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]

@@ -485,7 +485,7 @@ class ZeRO3(ZeRO2):
         self._free(unit)
 
     def _gather(self, unit, prefetch=False):
-        if not unit.gathered:
+        if not unit.gathered:  # a new block, on the compute stream (on CUDA: see _free)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.prefetch = all_gather(unit.flat, unit.shard, prefetch, self.shard_group)  # N x [S]
             self.meter.sent("all_gather", unit.flat, unit)
@@ -503,6 +503,17 @@ class ZeRO3(ZeRO2):
         # the parameter for backward. Shrinking the storage itself frees the memory under every
         # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
         # autograd saved sees the gathered values again in backward.
+        # On CUDA, with streams: an all-gather runs after every kernel queued before it (NCCL's
+        # async one on a stream of its own, which first waits for an event recorded on the
+        # compute stream; a blocking one on the compute stream itself; gloo's through host memory,
+        # after such an event too), and its wait() makes the compute stream wait for it: nothing
+        # computes with a unit before it has landed. Freeing needs that wait as well: resize_(0)
+        # hands the memory back to the caching allocator at once, even while the collective's
+        # Work still holds the tensor (which keeps the tensor, not a resized storage's memory).
+        # After the wait, the block goes only to later allocations on the compute stream, where
+        # _gather made it, and what is queued there runs after the kernels that read the old
+        # values (the forward, queued before the free) and after the collective: stream order
+        # makes it safe, with no record_stream.
         if unit.prefetch is not None:
             unit.prefetch.wait()
             unit.prefetch = None
@@ -1011,8 +1022,10 @@ def optimizer_pieces(zero):
     """The tensors the optimizer steps: each unit's master cut into pieces of at most PIECE
     elements (views, no copy). Exact all the same (element-wise optimizers), and it bounds the
     temporaries torch's optimizers allocate per tensor (Adam's sqrt(v) + eps, ...) to one
-    piece: one [S] temporary of a 50M-parameter shard would be 200 MB of transient memory.
-    Each piece costs Adam a step counter of its own."""
+    piece: one [S] temporary of a 50M-parameter shard would be 200 MB of transient memory. So
+    with their for-loop implementation, the default on CPU; on CUDA the default is foreach, which
+    makes each temporary for all the tensors at once: one fp32 [S] while the step runs, whatever
+    the pieces. Each piece costs Adam a step counter of its own."""
     device = zero.units[0].flat.device
     zero.piece = PIECE.get(device.type, PIECE["cuda"])
     for u in zero.units:
@@ -2691,6 +2704,11 @@ def report(res, args):
              f"{A2A_BYTES >> 20} MB),"
              "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see\n"
              "   reduce_scatter() in zero.py)")
+    if ours and stage > 0 and dist.get_backend() == "gloo" and res["cuda_peak"] is not None:
+        log0("  (gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of the whole "
+             "input,\n   through host memory: on the wire an all-reduce's bytes, twice a ring "
+             "reduce-scatter's,\n   and on the GPU one more full-unit gradient per reduction in "
+             "flight, not in 'peak')")
     if ours and comm.get("all_reduce") and world > 1:
         why = ["16 bytes a step that check ranks agree (check_steps)"]
         if stage >= 1:
