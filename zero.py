@@ -2950,8 +2950,8 @@ def print_memory_wall(args, rows):
     formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
     print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
           f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
-          + (f" (G = {G})" if G < N else "") + f"; blocks of d_model {args.d_model}, "
-          f"{args.n_head} heads, {args.batch_size} rows x {args.seq_len} bytes per rank, "
+          + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
+          f"{args.n_head} heads, {args.batch_size} row(s) x {args.seq_len} bytes per rank, "
           + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
     print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
           f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
@@ -2966,13 +2966,12 @@ def print_memory_wall(args, rows):
         if ok and ok["ok"]:
             best[stage] = ok
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
-    print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1); "
-          "measured: the most\nmodel state a rank held (zero.py's own count); rest: the most a "
-          "rank allocated above its runtime\n(CPU: the data size, sampled at each block's "
-          "forward and backward), less that model state:\nactivations, the backend's buffers, "
-          "temporaries, Python's objects" + (
-              f". Runtime (Python, torch, gloo), not counted in --max-memory: "
-              f"{_si(max(runtime))}B per rank" if runtime else ""))
+    print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
+          "measured: the most model state a rank held (zero.py's own count); rest: the most a rank\n"
+          "allocated above its runtime (CPU: the data size, sampled at each block's forward and "
+          "backward),\nless that model state: activations, the backend's buffers, temporaries, "
+          "Python's objects." + (f"\nRuntime (Python, torch, the backend), not counted in "
+                                 f"--max-memory: {_si(max(runtime))}B per rank" if runtime else ""))
     if 0 in best and 3 in best:
         print(f"stage 3 trains {best[3]['psi'] / best[0]['psi']:.1f}x the parameters of stage 0 "
               "on the same ranks")
