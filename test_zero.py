@@ -1226,6 +1226,14 @@ def fsdp_scenarios(rank, world):
     if world == 4:
         # the command lines of fsdp_demo.py, as zero.run(fsdp_demo.main) runs them
         out["--compare"] = main_printed(fsdp_demo.main, ["--stage", "3", "--compare", *SMALL])
+        # pretrained weights: FSDP2 loads rank 0's file with set_model_state_dict (broadcast from
+        # rank 0), zero.py reads each rank's own shards of the memory-mapped file
+        path = os.path.join(os.environ["ZERO_TEST_TMP"], "pretrained.pt")
+        if rank == 0:
+            torch.manual_seed(123)
+            torch.save(zero.GPT(16, 16, 2, 4).state_dict(), path)  # SMALL's model, other weights
+        dist.barrier()
+        out["--init-from"] = main_printed(fsdp_demo.main, ["--stage", "2", "--compare", *SMALL, "--init-from", path])
         out["--bf16"] = main_printed(fsdp_demo.main, ["--stage", "3", "--bf16", *SMALL])
     return out
 
@@ -1326,6 +1334,12 @@ def test_fsdp_demo_compare_end_to_end(world4_again):
     assert "zero.py vs PyTorch, stage 3" in out and "largest parameter difference" in out
     diff = float(re.search(r"largest loss difference (\S+)", out).group(1))
     assert diff <= 1e-5
+    # and from a pretrained file: the same losses on both sides, not those of fresh weights
+    loaded = world4_again[0]["fsdp_scenarios"]["--init-from"]
+    assert float(re.search(r"largest loss difference (\S+)", loaded).group(1)) <= 1e-5
+    first = [float(x) for x in re.findall(r"^ +1 +(\d+\.\d+) +(\d+\.\d+)", loaded, re.M)[0]]
+    fresh = float(re.findall(r"^ +1 +(\d+\.\d+)", out, re.M)[0])
+    assert first[0] == first[1] and abs(first[0] - fresh) > 1e-3
 
 
 def test_fsdp_demo_bf16_and_bad_input(world2, world4_again, refused):
