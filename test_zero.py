@@ -77,6 +77,16 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   the report and the timeline's CUDA curve: test_cuda_report_and_timeline_draw_the_allocator;
   the demo GPT at every stage: test_cuda_every_stage_trains_alike; --max-memory on CUDA:
   test_cuda_max_memory_refuses_a_run_that_cannot_fit.
+- Models no rank holds whole: built on the meta device, the weights are those of the normally built
+  model given the same init (test_meta_model_equals_the_normally_built_one, every stage and hybrid),
+  building holds one unit at a time (test_building_a_meta_model_holds_one_unit_at_a_time),
+  load_full_state_dict reads only each rank's elements and refuses what does not fit
+  (test_load_full_state_dict_reads_only_each_ranks_own_elements), clear refusals
+  (test_meta_models_refused_clearly), a transformers-shaped model
+  (test_transformers_shaped_model_on_the_meta_device), PyTorch's recipe with the same losses
+  (test_pytorch_counterpart_trains_like_zero, test_fsdp_demo_compare_end_to_end, --init-from);
+  --max-memory: test_max_memory_passes_what_fits_and_refuses_what_cannot; --largest-model:
+  test_a_trial_out_of_memory_ends_only_that_trial, test_largest_model_finds_the_wall_of_each_stage.
 
 No assertion depends on how fast anything runs. Where overlap is checked, collectives report
 "not finished" until zero.py waits for them (landed_only_when_waited), so what is seen in flight
