@@ -262,10 +262,13 @@ class DataParallel:
     def _zero_missing(self, unit):
         # Stages 0 and 1: a parameter with no gradient since zero_grad() (unused) still has last
         # step's values in the buffer: zero them (it is stepped with a zero gradient, not None).
+        # Another rank may have one (the mean counts this rank's as zero), so p.grad becomes the
+        # view like any other: reduced, it holds that mean, which a later backward adds to, not
+        # replaces, and which _reduce_grads does not zero as if no rank had given one.
         if self.keeps_full_grads:
             for p in unit.params:
                 if p.grad is None:
-                    unit.view(unit.grad, p).zero_()
+                    p.grad = unit.view(unit.grad, p).zero_()
 
     def _reduce_unit(self, unit):
         self._zero_missing(unit)
