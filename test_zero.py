@@ -47,7 +47,8 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_resume_from_state_dict_is_exact.
 - A stage-3 model in real code: test_activation_checkpointing_trains_like_the_reference (every
   stage, reentrant or not, early stop on or off), test_reading_a_stage3_parameter_is_an_error_not_a_crash,
-  test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_depth.
+  test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_depth,
+  test_output_tensors_are_found_at_any_depth (outputs of any structure).
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
@@ -73,8 +74,10 @@ is what zero.py left in flight, on any schedule; the killed rank kills itself ri
 checkpoint, not from outside at whatever step it has reached; --bench's times are only checked
 against their own ratio, within the rounding of the printed columns.
 """
+import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import io
@@ -798,6 +801,36 @@ def test_unused_parameters_and_out_of_place_accumulation(world2):
         for (stage, create_graph, opt_name), got in res["sometimes"].items():
             for name, t in got.items():
                 assert (t - want[opt_name][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training code as users write it: outputs of any structure at stage 3
+
+class Slotted:  # an output whose tensor zero.py cannot find (no __dict__): the unit stays gathered
+    __slots__ = ("h",)
+
+    def __init__(self, h):
+        self.h = h
+
+
+def test_output_tensors_are_found_at_any_depth():
+    # What stage 3 hooks to gather a unit again in backward: the tensors of its module's output,
+    # in tuples (named ones too), lists, dicts, dataclasses and objects' attributes, each once.
+    t = [torch.full((1,), float(i)) for i in range(6)]
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Record:
+        a: torch.Tensor
+        rest: dict
+
+    class Obj:
+        def __init__(self):
+            self.x, self.me, self.module = t[4], self, nn.Linear(1, 1)  # a cycle; a module is not opened
+    hidden = Slotted(t[5])
+    output = {"pair": Pair(t[0], [t[1]]), "record": Record(t[2], {"k": (t[3], "text")}), "obj": Obj(),
+              "slots": hidden, "none": None}
+    assert [id(x) for x in zero.output_tensors(output)] == [id(x) for x in t[:5]]
 
 
 class TwoDtypes(nn.Module):

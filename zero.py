@@ -54,8 +54,8 @@ demo model, training loop, report and command line. The stages share one interfa
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
 Activations are not model state, and no stage here shards them.
 """
-import argparse, contextlib, functools, hashlib, itertools, json, os, shutil, statistics, sys
-import time, warnings, weakref
+import argparse, contextlib, dataclasses, functools, hashlib, itertools, json, os, shutil
+import statistics, sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -518,12 +518,14 @@ class ZeRO3(ZeRO2):
             return  # the end of a recomputation (it may not run at all: see _recompute)
         call = self.prefetcher.forward_done()  # this module's place in the order of gathers
         training = torch.is_grad_enabled()
+        tensors = [t for t in output_tensors(output) if t.requires_grad]  # (Part II, units)
         for u in units:
             u.users -= 1
-            keep = training and not u.modules  # the root: backward needs it again at once
+            # Kept: the root (backward needs it again at once), and a unit whose output holds no
+            # tensor to hook, which backward could not gather again; freed after backward.
+            keep = training and (not u.modules or not tensors)
             if u.users == 0 and not keep:
                 self._free(u)
-        tensors = [t for t in _tensors(output) if t.requires_grad]
         if training and tensors:  # fires when backward reaches this module's output: gather again
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(self._pre_backward, units, call), mode="any")
@@ -568,15 +570,6 @@ def _grad_hook(zero_ref, i, p):
     self = zero_ref()
     if self is not None:
         self._on_grad(self.units[i], p)
-
-
-def _tensors(x):
-    """The tensors inside a module's output (a tensor, or tuples, lists and dicts of them)."""
-    if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
 
 
 STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
@@ -694,6 +687,28 @@ def own_parameters(module, unit_modules):
         out += list(m.parameters(recurse=False))
         todo += [c for c in m.children() if id(c) not in nested]
     return out
+
+
+def output_tensors(x, seen=None):
+    """The tensors in a module's output, at any depth: a tensor, or the tuples (named ones too),
+    lists, dicts (model-output classes too), dataclasses and other objects that hold tensors in
+    their attributes. Stage 3 hooks them to gather the unit again when backward reaches them.
+    Each container is opened once (an output may refer to itself); modules are not opened."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(x):
+        return [x]
+    if id(x) in seen or isinstance(x, (str, bytes, type, nn.Module, types.ModuleType)):
+        return []
+    seen.add(id(x))
+    if isinstance(x, dict):
+        items = list(x.values())
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        items = list(x)
+    elif dataclasses.is_dataclass(x):  # (fields: also a dataclass with __slots__)
+        items = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+    else:
+        items = list(vars(x).values()) if hasattr(x, "__dict__") else []
+    return [t for item in items for t in output_tensors(item, seen)]
 
 
 def replicated(model):
