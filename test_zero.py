@@ -56,6 +56,7 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_unused_parameters_and_out_of_place_accumulation; checkpoints stay exact:
   test_parameters_stepped_apart_checkpoint_exactly; refused by name when unfrozen after wrap:
   test_a_parameter_unfrozen_after_wrap_is_refused_by_name.
+- Sparse gradients are refused by name, at wrap or in backward: test_sparse_gradients_are_refused_by_name.
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
@@ -811,7 +812,7 @@ def test_unused_parameters_and_out_of_place_accumulation(world2):
 
 # ----------------------------------------------------------------------------------------------
 # Training code as users write it: outputs of any structure at stage 3, parameters that get no
-# gradient in a step (not stepped, as plain torch), frozen after wrap()
+# gradient in a step (not stepped, as plain torch), frozen after wrap(), sparse gradients refused
 
 @dataclasses.dataclass
 class Hidden:  # a unit's output as models return them: a record, not a tensor
@@ -1048,6 +1049,31 @@ def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(one_rank):
     assert str(e.value).startswith("zero: 0.weight was frozen at wrap() and requires grad now")
     assert "wrap it again" in str(e.value)
     assert all(torch.equal(t, opt.full_state_dict()[n]) for n, t in before.items())
+
+
+class SparseLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table, self.out = nn.Parameter(torch.randn(V, D)), nn.Linear(D, V)
+
+    def forward(self, x):
+        return self.out(F.embedding(x, self.table, sparse=True))
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_sparse_gradients_are_refused_by_name(one_rank, stage):
+    # At wrap() for the modules that make them (sparse=True), in the first backward for any other
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    for model, name in [(nn.Sequential(nn.Embedding(V, D, sparse=True)), "0.weight"),
+                        (nn.ModuleDict({"bag": nn.EmbeddingBag(V, D, sparse=True)}), "bag.weight")]:
+        with pytest.raises(ValueError) as e:
+            zero.wrap(model, stage, optimizer)
+        assert str(e.value).startswith(f"zero: {name} would get sparse gradients")
+    model = SparseLookup()
+    zero.wrap(model, stage, optimizer)
+    with pytest.raises(RuntimeError) as e:
+        model(torch.arange(B)).sum().backward()
+    assert str(e.value).startswith("zero: table got a sparse gradient (torch.sparse_coo)")
 
 
 class TwoDtypes(nn.Module):

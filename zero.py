@@ -219,6 +219,8 @@ class DataParallel:
         if self._reduced:  # adding local gradients to averaged ones would silently be wrong
             raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
                                "call zero_grad() first")
+        if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
+            raise sparse_gradient_error(self, p)  # (checks)
         self._queue_end_of_backward()  # a parameter unused in this backward never reports
         if unit.arrived == 0:  # the unit's first gradient in this backward
             unit.divide, unit.cleared = self._division(unit), False
@@ -671,6 +673,7 @@ def make_units(zero, model, modules):
             groups.append(([module] if module else [], params))
     if not groups:
         raise ValueError("zero: the model has no trainable parameters")
+    refuse_sparse(model)  # (checks)
     if zero.bucket_bytes:  # several units in one, or one in several
         groups = buckets(groups, zero.bucket_bytes)
     for _, params in groups:  # one flat buffer holds one dtype on one device
@@ -1557,6 +1560,24 @@ def check_step_agrees(zero):
         got = t.tolist()
     zero.meter.trace = 0
     return {p for p, g in zip(params, got) if g}
+
+
+def sparse_gradient_error(zero, p):
+    name = {q: n for n, q in zero.model.named_parameters()}[p]
+    return RuntimeError(f"zero: {name} got a sparse gradient ({p.grad.layout}): zero.py reduces "
+                        "dense gradients in flat buffers; compute it densely (nn.Embedding and "
+                        "nn.EmbeddingBag: sparse=False)")
+
+
+def refuse_sparse(model):
+    # nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse gradients, which
+    # have no storage to copy into a unit's flat gradient: refused at wrap, not in backward.
+    for name, m in model.named_modules():
+        for n, p in m.named_parameters(prefix=name, recurse=False):
+            if getattr(m, "sparse", False) is True and p.requires_grad:
+                raise ValueError(f"zero: {n} would get sparse gradients ({type(m).__name__} with "
+                                 "sparse=True): zero.py reduces dense gradients in flat buffers; "
+                                 "build it with sparse=False")
 
 
 def refuse_unfrozen(zero):
