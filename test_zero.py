@@ -50,7 +50,16 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_resume_from_state_dict_is_exact.
 - A stage-3 model in real code: test_activation_checkpointing_trains_like_the_reference (every
   stage, reentrant or not, early stop on or off), test_reading_a_stage3_parameter_is_an_error_not_a_crash,
-  test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_depth.
+  test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_depth,
+  test_output_tensors_are_found_at_any_depth, test_stage3_hooks_a_unit_output_of_any_structure
+  (outputs of any structure).
+- Parameters without a gradient, as plain torch: one no rank gave a gradient (unused, or frozen after
+  wrap) is not stepped, values and optimizer state, at every stage, in mixed precision, with hybrid
+  sharding: test_unused_and_frozen_parameters_are_not_stepped_as_in_torch,
+  test_unused_parameters_and_out_of_place_accumulation; checkpoints stay exact:
+  test_parameters_stepped_apart_checkpoint_exactly; refused by name when unfrozen after wrap:
+  test_a_parameter_unfrozen_after_wrap_is_refused_by_name.
+- Sparse gradients are refused by name, at wrap or in backward: test_sparse_gradients_are_refused_by_name.
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
@@ -94,8 +103,10 @@ is what zero.py left in flight, on any schedule; the killed rank kills itself ri
 checkpoint, not from outside at whatever step it has reached; --bench's times are only checked
 against their own ratio, within the rounding of the printed columns.
 """
+import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import io
@@ -211,7 +222,8 @@ def wrapped(rank, stage, case, seed, **kwargs):
 
 def layout(opt):
     return {"psi": opt.psi, "S": [u.S for u in opt.units], "root": [not u.modules for u in opt.units],
-            "emb": [any(p is opt.model.emb.weight for p in u.params) for u in opt.units]}
+            "emb": [any(p is opt.model.emb.weight for p in u.params) for u in opt.units],
+            "pieces": len(opt.optimizer.param_groups[0]["params"])}  # the tensors the optimizer steps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,7 +534,7 @@ def world1(pool, shared):
 
 @pytest.fixture(scope="module")
 def world4(pool, shared):
-    return pool.run(4, ["scenarios", "collectives", "reshard_write", "hybrid", "meta_models"], shared)
+    return pool.run(4, ["scenarios", "collectives", "reshard_write", "hybrid", "meta_models", "tasks"], shared)
 
 
 @pytest.fixture(scope="module")
@@ -530,7 +542,7 @@ def world2(pool, shared, world4):
     damage_copies(shared)  # of the checkpoint world4 wrote, for reshard_read to refuse
     return pool.run(2, ["scenarios", "sometimes", "collectives", "disagree", "reshard_read", "fsdp_scenarios",
                         "small_bench", "fsdp_bad_input", "straight", "cli_errors", "real_code",
-                        "timeline_runs", "abused_ranks", "meta_models"], shared)
+                        "timeline_runs", "abused_ranks", "meta_models", "tasks"], shared)
 
 
 @pytest.fixture(scope="module")
@@ -671,14 +683,14 @@ def test_memory_matches_formula(ranks, stage):
     for res in results:
         rec = res[(stage, "adamw")]
         lay = rec["layout"]
-        padded, units = world * sum(lay["S"]), len(lay["S"])  # parameters incl. padding, per rank
+        padded = world * sum(lay["S"])  # parameters incl. padding, per rank
         shard = lambda sharded: padded // world if sharded else padded
-        exact = {"params": 4 * shard(stage >= 3), "grads": 4 * shard(stage >= 2),
-                 "optimizer": 8 * shard(stage >= 1) + 4 * units}  # + AdamW's float32 step counters
+        exact = {"params": 4 * shard(stage >= 3), "grads": 4 * shard(stage >= 2),  # + AdamW's float32
+                 "optimizer": 8 * shard(stage >= 1) + 4 * lay["pieces"]}  # step counter of each piece
         assert rec["mem"] == exact
         formula = zero.memory_formula(stage, lay["psi"], world)
-        for kind in formula:  # the paper's formula, up to padding (< N elements per unit)
-            assert abs(rec["mem"][kind] - formula[kind]) <= 8 * (world * units + 1), kind
+        for kind in formula:  # the paper's formula, up to padding (< N elements per unit) and step counters
+            assert abs(rec["mem"][kind] - formula[kind]) <= 8 * world * len(lay["S"]) + 4 * lay["pieces"], kind
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -858,10 +870,7 @@ def sometimes_steps(model, opt, rows, world, create_graph):
             x, y = torch.randn(world * B, D, generator=g)[rows], torch.randint(V, (world * B,), generator=g)[rows]
             with opt.no_sync() if hasattr(opt, "no_sync") and micro == 0 else contextlib.nullcontext():
                 F.cross_entropy(model(x), y).div(2).backward(create_graph=create_graph)
-        if not hasattr(opt, "no_sync"):  # the reference: zero.py steps an unused parameter with a zero gradient
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-        opt.step()
+        opt.step()  # the reference: plain torch, which skips a parameter whose .grad is None
         opt.zero_grad()
         if step % 2 == 0:
             model.zero_grad()
@@ -887,7 +896,8 @@ def test_unused_parameters_and_out_of_place_accumulation(world2):
     # Stages 0 and 1 keep p.grad as a view into their buffer and do not zero it in zero_grad():
     # a gradient that arrives as a new tensor (after zero_grad, or accumulated out of place by
     # create_graph=True) is copied over last step's values, and a parameter that gets none has its
-    # values zeroed. Wrong either way, these runs would differ from the reference.
+    # values zeroed. Wrong either way, these runs would differ from the reference. A parameter
+    # unused in a step is not stepped at all, as plain torch skips it (AdamW's decay would show).
     world, want = 2, {}
     for name, optimizer in SOMETIMES_OPTIMIZERS.items():
         model = Sometimes()
@@ -897,6 +907,272 @@ def test_unused_parameters_and_out_of_place_accumulation(world2):
         for (stage, create_graph, opt_name), got in res["sometimes"].items():
             for name, t in got.items():
                 assert (t - want[opt_name][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training code as users write it: outputs of any structure at stage 3, parameters that get no
+# gradient in a step (not stepped, as plain torch), frozen after wrap(), sparse gradients refused
+
+@dataclasses.dataclass
+class Hidden:  # a unit's output as models return them: a record, not a tensor
+    h: torch.Tensor
+    note: str = "hidden"
+
+
+class Slotted:  # an output whose tensor zero.py cannot find (no __dict__): the unit stays gathered
+    __slots__ = ("h",)
+
+    def __init__(self, h):
+        self.h = h
+
+
+class RecordBlock(nn.Module):
+    def __init__(self, record):
+        super().__init__()
+        self.fc, self.record = nn.Linear(D, D), record
+
+    def forward(self, h):
+        return self.record(torch.tanh(self.fc(h)))
+
+
+class Tasks(nn.Module):
+    """Units: two blocks (one returns a dataclass, one a __slots__ object), the head, and an
+    auxiliary head used on odd steps only (a whole unit no rank uses on even steps). In the root
+    unit: `first`, and `rare`, used only on the rows a step selects (on no rank at step 0, on rank
+    0 only at step 1). `first.weight` is frozen from step 2 on, after wrap()."""
+
+    def __init__(self, seed=11):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first, self.rare = nn.Linear(D, D), nn.Linear(D, V)
+        self.blocks = nn.ModuleList([RecordBlock(Hidden), RecordBlock(Slotted)])
+        self.head, self.aux = nn.Linear(D, V), nn.Linear(D, V)
+        self.step = 0
+
+    def forward(self, x, use_rare):
+        h = self.first(x)
+        for block in self.blocks:
+            h = h + block(h).h
+        out = self.head(h)
+        if use_rare.any():
+            out = out + self.rare(h) * use_rare[:, None]
+        return out + (self.aux(h) if self.step % 2 else 0)
+
+
+TASKS_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)  # decay: a stepped parameter moves
+RARE_ROWS = {0: [], 1: [0], 2: [0, -1], 3: [-1]}  # step -> rows of the global batch that use `rare`
+
+
+def tasks_steps(model, opt, rows, world, steps, around_step=None):
+    for step in steps:
+        model.step = step
+        if step >= 2:
+            model.first.weight.requires_grad_(False)  # the fine-tuning schedule: frozen mid-training
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(world * B, D, generator=g), torch.randint(V, (world * B,), generator=g)
+        use_rare = torch.zeros(world * B, dtype=torch.bool)
+        use_rare[RARE_ROWS[step]] = True
+        F.cross_entropy(model(x[rows], use_rare[rows]).float(), y[rows]).backward()
+        (around_step or (lambda step, do: do()))(step, opt.step)
+        opt.zero_grad()
+
+
+@functools.lru_cache(maxsize=None)
+def tasks_reference(world):
+    model = Tasks()
+    tasks_steps(model, TASKS_OPTIMIZER(model.parameters()), slice(None), world, range(4))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+UNUSED = {0: {"aux.weight", "aux.bias", "rare.weight", "rare.bias"}, 1: set(),  # step -> what no rank
+          2: {"aux.weight", "aux.bias", "first.weight"}, 3: {"first.weight"}}   # gives a gradient
+
+
+def snapshot(opt):
+    """Every parameter's fp32 values, the optimizer state of the pieces each one owns on this rank,
+    and the aux unit's compute copy (bf16 in mixed precision)."""
+    names, state = {p: n for n, p in opt.model.named_parameters()}, {}
+    for u in opt.units:
+        for piece, p in zip(u.pieces, u.owner):
+            state.setdefault(names[p], []).append({k: v.clone() for k, v in opt.optimizer.state.get(piece, {}).items()})
+    aux = next(u for u in opt.units if opt.model.aux in u.modules)
+    return {"values": opt.full_state_dict(), "state": state, "aux compute": aux.shard.clone()}
+
+
+def tasks(rank, world):
+    out, rows = {}, slice(rank * B, (rank + 1) * B)
+    if world == 4:  # hybrid sharding: G = 2 groups of 2
+        runs = [(stage, dict(shard_size=2)) for stage in range(1, 4)]
+    else:
+        runs = [(stage, kwargs) for stage in range(4) for kwargs in ({}, dict(param_dtype=torch.bfloat16))]
+        runs.append((2, dict(check_steps=False)))  # the mask's all-reduce is made without the check
+    for stage, kwargs in runs:
+        model = Tasks()
+        opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux], **kwargs)
+        rec = {"around": {}, "gathered": []}
+        modules = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], "head": model.head, "aux": model.aux}
+        units = {n: next(u for u in opt.units if m in u.modules) for n, m in modules.items()}
+
+        def after_forward(module, args, output):
+            if module.step == 0:  # which units the first forward left gathered
+                rec["after_forward"] = {n: u.gathered for n, u in units.items()}
+        model.register_forward_hook(after_forward)
+
+        def around_step(step, do):
+            rec["gathered"].append(any(u.gathered for u in opt.units if u.modules))  # after backward
+            before = snapshot(opt)
+            do()
+            rec["around"][step] = (before, snapshot(opt))
+        tasks_steps(model, opt, rows, world, range(4), around_step)
+        rec["full"] = opt.full_state_dict()
+        out[(stage, str(kwargs))] = rec
+    if world == 4:
+        return out
+    # Checkpoints when parameters were stepped different numbers of times: after step 0 (aux and
+    # rare never stepped: no optimizer state) at stage 3, loaded at stage 1, steps 1 and 2, saved
+    # (aux stepped once, rare and first.weight twice, the rest three times), loaded at stage 0,
+    # step 3: as the uninterrupted runs.
+    root = os.path.join(os.environ["ZERO_TEST_TMP"], "tasks")
+    model = Tasks()
+    opt = zero.wrap(model, 3, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux])
+    tasks_steps(model, opt, rows, world, range(1))
+    zero.save_checkpoint(opt, root, 1)
+    for stage, steps in [(1, range(1, 3)), (0, range(3, 4))]:
+        model = Tasks(seed=500 + rank)  # other weights, on each rank
+        opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux])
+        zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+        tasks_steps(model, opt, rows, world, steps)
+        if stage == 1:
+            zero.save_checkpoint(opt, root, 3)
+    out["resumed"] = opt.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tasks_runs(world2, world4):
+    return [res["tasks"] for res in world2], [res["tasks"] for res in world4]
+
+
+def test_unused_and_frozen_parameters_are_not_stepped_as_in_torch(tasks_runs):
+    # AdamW's weight decay moves any parameter it steps. The aux head unused on even steps,
+    # `rare` unused at step 0 (used on one rank only at steps 1 and 3: the mean over ranks), and
+    # first.weight frozen after wrap() from step 2 on train exactly as plain torch trains them:
+    # at every stage, in mixed precision, with hybrid sharding, without the per-step check.
+    for world, results in zip((2, 4), tasks_runs):
+        want = tasks_reference(world)
+        initial = {n: p.detach() for n, p in Tasks().named_parameters()}
+        for res in results:
+            for key, rec in res.items():
+                if key == "resumed":
+                    continue
+                got = rec["full"]
+                if "bfloat16" in key[1]:  # bf16 compute: close, not equal
+                    off = sum((got[n] - want[n]).pow(2).sum() for n in want).sqrt()
+                    assert off < 0.1 * sum((want[n] - initial[n]).pow(2).sum() for n in want).sqrt(), key
+                else:
+                    for name, t in want.items():
+                        assert (got[name] - t).abs().max().item() <= 1e-5, (world, key, name)
+                # A parameter no rank gave a gradient did not move, not by a bit (nor its bf16
+                # compute copy), and its optimizer state (Adam's m, v, step) is as it was: none
+                # at all if it was never stepped. Every other parameter moved.
+                for step, (before, after) in rec["around"].items():
+                    for name in want:
+                        same = torch.equal(before["values"][name], after["values"][name])
+                        assert same == (name in UNUSED[step]), (world, key, step, name)
+                        for a, b in zip(before["state"].get(name, []), after["state"].get(name, [])):
+                            assert (a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)) == same
+                    assert torch.equal(before["aux compute"], after["aux compute"]) == (step % 2 == 0)
+                    aux = before["state"]["aux.weight"]  # no optimizer state until aux's first step (step 1)
+                    assert aux and all(s == {} for s in aux) == (step <= 1)
+                if key[0] == 3:  # after backward only the root unit may still be gathered: none is
+                    assert rec["gathered"] == [False] * 4
+
+
+def test_parameters_stepped_apart_checkpoint_exactly(tasks_runs, shared):
+    # Stage 3 -> stage 1 -> stage 0, where parameters have no optimizer state (step 1: aux and
+    # rare never got a gradient) or another step count than the rest (step 3): each parameter's
+    # is saved by name, and the run goes on as the uninterrupted one.
+    for res in tasks_runs[0]:
+        for name, t in tasks_reference(2).items():
+            assert (res["resumed"][name] - t).abs().max().item() <= 1e-5, name
+    steps = lambda ckpt: {n: int(s["step"]) for n, s in full_checkpoint(os.path.join(shared, "tasks", ckpt))["scalars"].items()}
+    names = set(tasks_reference(2))
+    assert steps("step_00000001") == {n: 1 for n in names if not n.startswith(("aux", "rare"))}
+    fewer = {"aux.weight": 1, "aux.bias": 1, "rare.weight": 2, "rare.bias": 2, "first.weight": 2}
+    assert steps("step_00000003") == {n: fewer.get(n, 3) for n in names}
+    state = full_checkpoint(os.path.join(shared, "tasks", "step_00000001"))
+    assert all(state[key, "aux.weight"].abs().sum() == 0 for key in ("exp_avg", "exp_avg_sq"))  # no state: zeros
+
+
+def test_stage3_hooks_a_unit_output_of_any_structure(tasks_runs):
+    # The dataclass block is freed after forward and gathered again when backward reaches its
+    # output; the __slots__ block, whose output hides its tensor, stays gathered until its
+    # gradient is reduced. Both train exactly (test above).
+    for results in tasks_runs:
+        for res in results:
+            rec = res[(3, "{}")] if (3, "{}") in res else res[(3, "{'shard_size': 2}")]
+            assert rec["after_forward"] == {"blocks.0": False, "blocks.1": True, "head": False, "aux": False}
+
+
+def test_output_tensors_are_found_at_any_depth():
+    # What stage 3 hooks to gather a unit again in backward: the tensors of its module's output,
+    # in tuples (named ones too), lists, dicts, dataclasses and objects' attributes, each once.
+    t = [torch.full((1,), float(i)) for i in range(6)]
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Record:
+        a: torch.Tensor
+        rest: dict
+
+    class Obj:
+        def __init__(self):
+            self.x, self.me, self.module = t[4], self, nn.Linear(1, 1)  # a cycle; a module is not opened
+    hidden = Slotted(t[5])
+    output = {"pair": Pair(t[0], [t[1]]), "record": Record(t[2], {"k": (t[3], "text")}), "obj": Obj(),
+              "slots": hidden, "none": None}
+    assert [id(x) for x in zero.output_tensors(output)] == [id(x) for x in t[:5]]
+
+
+def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(one_rank):
+    # Frozen at wrap(), it belongs to no unit: made trainable later, nothing would reduce or step
+    # it. step() refuses, naming it, before anything is applied.
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, V))
+    model[0].requires_grad_(False)
+    opt = zero.wrap(model, 2, functools.partial(torch.optim.SGD, lr=0.1))
+    before = opt.full_state_dict()
+    model[0].weight.requires_grad_(True)
+    model(torch.ones(B, D)).sum().backward()
+    with pytest.raises(RuntimeError) as e:
+        opt.step()
+    assert str(e.value).startswith("zero: 0.weight was frozen at wrap() and requires grad now")
+    assert "wrap it again" in str(e.value)
+    assert all(torch.equal(t, opt.full_state_dict()[n]) for n, t in before.items())
+
+
+class SparseLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table, self.out = nn.Parameter(torch.randn(V, D)), nn.Linear(D, V)
+
+    def forward(self, x):
+        return self.out(F.embedding(x, self.table, sparse=True))
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_sparse_gradients_are_refused_by_name(one_rank, stage):
+    # At wrap() for the modules that make them (sparse=True), in the first backward for any other
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    for model, name in [(nn.Sequential(nn.Embedding(V, D, sparse=True)), "0.weight"),
+                        (nn.ModuleDict({"bag": nn.EmbeddingBag(V, D, sparse=True)}), "bag.weight")]:
+        with pytest.raises(ValueError) as e:
+            zero.wrap(model, stage, optimizer)
+        assert str(e.value).startswith(f"zero: {name} would get sparse gradients")
+    model = SparseLookup()
+    zero.wrap(model, stage, optimizer)
+    with pytest.raises(RuntimeError) as e:
+        model(torch.arange(B)).sum().backward()
+    assert str(e.value).startswith("zero: table got a sparse gradient (torch.sparse_coo)")
 
 
 class TwoDtypes(nn.Module):
@@ -1021,12 +1297,12 @@ def test_mixed_precision_memory_matches_the_paper(ranks, stage):
     world, results = ranks
     for res in results:
         rec = res[(stage, "bf16")]
-        padded, units = world * sum(rec["layout"]["S"]), len(rec["layout"]["S"])
+        padded = world * sum(rec["layout"]["S"])
         shard = lambda sharded: padded // world if sharded else padded
         assert rec["dtypes"] == {"torch.bfloat16"}  # every parameter computes in bf16
         # 2 + 2 + 12 bytes per parameter: bf16 params and grads; fp32 master, m and v (K = 12)
         assert rec["mem"] == {"params": 2 * shard(stage >= 3), "grads": 2 * shard(stage >= 2),
-                              "optimizer": 12 * shard(stage >= 1) + 4 * units}
+                              "optimizer": 12 * shard(stage >= 1) + 4 * rec["layout"]["pieces"]}
         # each reduction in flight holds an fp32 copy of its unit's gradient: one at a time, also
         # in stage 0 (whose in-place fp32 all-reduces may all be in flight at once)
         assert rec["in_flight"] <= 1
@@ -1467,7 +1743,7 @@ def resharded(shared, world4, world2, world4_again):
 def full_checkpoint(path):
     """{(key, parameter name): full tensor} of every per-element value in a checkpoint (master
     weights and optimizer state), assembled here from the parts, independently of zero.py's
-    reader, plus the optimizer's scalars."""
+    reader, plus the optimizer's scalars of each parameter ("scalars": {name: {key: value}})."""
     manifest = json.load(open(os.path.join(path, "manifest.json")))
     parts = [torch.load(os.path.join(path, f), weights_only=True) for f in sorted(manifest["files"])]
     full = {}
@@ -1479,7 +1755,7 @@ def full_checkpoint(path):
             for name, shape in params:
                 n = math.prod(shape)
                 full[key, name], o = flat[o:o + n].view(shape), o + n
-    full["scalars"] = parts[0]["scalars"]
+    full["scalars"] = {n: s for part in parts for n, s in part["param_scalars"].items()}
     return full
 
 
@@ -1493,8 +1769,10 @@ def test_reshard_keeps_every_parameter_and_optimizer_value(resharded, stage):
         assert set(got) == set(want)
         assert {k[0] for k in want if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
         for key in want:
-            if key == "scalars":
-                assert {k: float(v) for k, v in got[key].items()} == {k: float(v) for k, v in want[key].items()} == {"step": 2.0}
+            if key == "scalars":  # each of the 12 trainable parameters stepped twice
+                floats = lambda scalars: {n: {k: float(v) for k, v in s.items()} for n, s in scalars.items()}
+                assert floats(got[key]) == floats(want[key]) == {n: {"step": 2.0} for n in want[key]}
+                assert len(want[key]) == 12
             else:
                 assert torch.equal(got[key], want[key]), (name, key)
 
@@ -2080,10 +2358,9 @@ def test_hybrid_memory_and_communication_by_group(hybrid_runs, stage, case):
     for res in hybrid_runs:
         rec = res[(stage, case)]
         lay, S = rec["layout"], sum(rec["layout"]["S"])  # S: a unit's 1/G, padded to a multiple of N
-        units = len(lay["S"])
         # memory: what is sharded is 1/G of the model, not 1/N
         full = 4 * G * S
-        adam = (2 * full // G if stage >= 1 else 2 * full) + 4 * units  # m, v and step counters
+        adam = (2 * full // G if stage >= 1 else 2 * full) + 4 * lay["pieces"]  # m, v and step counters
         assert rec["mem"] == {"params": full // G if stage >= 3 else full,
                               "grads": full // G if stage >= 2 else full,
                               "optimizer": adam if case == "adamw" else 0}  # plain SGD: no state
@@ -2246,7 +2523,8 @@ def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys)
     assert "5 step(s) of 6 skipped" in capsys.readouterr().out
     five, six = (zero.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
     assert all(torch.equal(a["master"], b["master"]) for a, b in zip(five["units"], six["units"]))
-    assert five["scalars"]["step"] == six["scalars"]["step"] == 1  # one step applied in all
+    assert [s["step"] for s in five["param_scalars"].values()] == [s["step"] for s in six["param_scalars"].values()] \
+        == [1] * len(five["param_scalars"])  # one step applied in all
 
 
 @in_process

@@ -54,8 +54,8 @@ demo model, training loop, report and command line. The stages share one interfa
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
 Activations are not model state, and no stage here shards them.
 """
-import argparse, contextlib, functools, hashlib, itertools, json, os, shutil, statistics, sys
-import time, warnings, weakref
+import argparse, contextlib, dataclasses, functools, hashlib, itertools, json, os, shutil
+import statistics, sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -118,6 +118,7 @@ class Unit:
         self.grad = None            # [N*S] the full gradient, while this rank holds one
         self.grad_shard = None      # the gradient of the shard: a sum over ranks, then / N
         self.arrived = 0            # parameters whose gradient arrived in this backward
+        self.got = set()            # its parameters given a gradient here since zero_grad()
         self.unreduced = False      # holds local gradients that no reduction has summed yet
         self.cleared = True         # holds no gradient since zero_grad() (p.grad is None)
         self.divide = "landing"     # where the sum over ranks is divided by N: _division
@@ -194,12 +195,13 @@ class DataParallel:
             dist.broadcast(t.data, src=0)
         if self.mixed_precision:
             cast_frozen_and_inputs(model, self.unit_modules, param_dtype)  # (mixed precision)
-        # The optimizer sees flat tensors only (this rank's masters; each one's .grad a view of
-        # unit.grad_shard). Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...):
-        # each element's update depends on its own gradient and state only. NOT for those that
-        # look at whole tensors (LAMB, LARS, Shampoo, Muon: a shard holds slices of several), nor
-        # are per-parameter groups (no weight decay on biases) possible, for the same reason.
-        self.optimizer = optimizer(optimizer_pieces(self))  # the masters, in pieces (speed)
+        # The optimizer sees flat tensors only: this rank's masters, cut where parameters end
+        # (each piece lies within one parameter, which is what lets step() skip a parameter as
+        # torch does) and into cache-sized pieces. Exact for element-wise optimizers (SGD, Adam,
+        # AdamW, Adagrad...): each element's update depends on its own gradient and state only.
+        # NOT for those that look at whole tensors (LAMB, LARS, Shampoo, Muon: a piece may hold
+        # a slice of one), nor are per-parameter groups (no weight decay on biases) possible.
+        self.optimizer = optimizer(optimizer_pieces(self))  # (speed 4: the pieces)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
@@ -222,6 +224,8 @@ class DataParallel:
         if self._reduced:  # adding local gradients to averaged ones would silently be wrong
             raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
                                "call zero_grad() first")
+        if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
+            raise sparse_gradient_error(self, p)  # (checks)
         self._queue_end_of_backward()  # a parameter unused in this backward never reports
         if unit.arrived == 0:  # the unit's first gradient in this backward
             unit.divide, unit.cleared = self._division(unit), False
@@ -237,6 +241,7 @@ class DataParallel:
                 view.copy_(p.grad.detach())
         p.grad = view if self.keeps_full_grads else None
         unit.unreduced, unit.arrived = True, unit.arrived + 1
+        unit.got.add(p)  # p got one here, so step() steps it (one no rank got one for: not)
         if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
             self._reduce_unit(unit)
 
@@ -266,11 +271,13 @@ class DataParallel:
 
     def _zero_missing(self, unit):
         # Stages 0 and 1: a parameter with no gradient since zero_grad() (unused) still has last
-        # step's values in the buffer: zero them (it is stepped with a zero gradient, not None).
+        # step's values in the buffer: zero them. Another rank may have one (the mean counts this
+        # rank's as zero; if none has, step() does not step it), so p.grad becomes the view like
+        # any other: reduced, it holds that mean, which a later backward adds to, not replaces.
         if self.keeps_full_grads:
             for p in unit.params:
                 if p.grad is None:
-                    unit.view(unit.grad, p).zero_()
+                    p.grad = unit.view(unit.grad, p).zero_()
 
     def _reduce_unit(self, unit):
         self._zero_missing(unit)
@@ -297,9 +304,11 @@ class DataParallel:
             if unit.unreduced:
                 self._reduce_unit(unit)
             else:
-                self._zero_missing(unit)  # no gradient at all this step, on any rank
+                self._zero_missing(unit)  # none reduced: no gradient at all this step
         self.in_flight.land()
-        check_step_agrees(self)  # every rank reduced the same units (checks)
+        # Every rank reduced the same units (checks); and which parameters got a gradient on
+        # some rank since zero_grad(): the others are not stepped, as torch skips .grad None.
+        self.with_grad = check_step_agrees(self)
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -319,7 +328,7 @@ class DataParallel:
 
     def step(self):
         self._reduce_grads()
-        with fp32_step(self):  # mixed precision: fp32 masters, gradients copied to fp32
+        with step_grads(self):  # each piece's .grad (None: not stepped); fp32 (mixed precision)
             self.optimizer.step()
         self.meter.event("optimizer step")
         self.steps += 1
@@ -338,6 +347,7 @@ class DataParallel:
             else:
                 u.grad_shard.zero_()
             u.unreduced = False
+            u.got.clear()
         self._reduced = False
 
     # The rest of the interface, in Part II: bytes held (measurement), this rank's part of a
@@ -533,12 +543,14 @@ class ZeRO3(ZeRO2):
             return  # the end of a recomputation (it may not run at all: see _recompute)
         call = self.prefetcher.forward_done()  # this module's place in the order of gathers
         training = torch.is_grad_enabled()
+        tensors = [t for t in output_tensors(output) if t.requires_grad]  # (Part II, units)
         for u in units:
             u.users -= 1
-            keep = training and not u.modules  # the root: backward needs it again at once
+            # Kept: the root (backward needs it again at once), and a unit whose output holds no
+            # tensor to hook, which backward could not gather again; freed after backward.
+            keep = training and (not u.modules or not tensors)
             if u.users == 0 and not keep:
                 self._free(u)
-        tensors = [t for t in _tensors(output) if t.requires_grad]
         if training and tensors:  # fires when backward reaches this module's output: gather again
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(self._pre_backward, units, call), mode="any")
@@ -585,15 +597,6 @@ def _grad_hook(zero_ref, i, p):
         self._on_grad(self.units[i], p)
 
 
-def _tensors(x):
-    """The tensors inside a module's output (a tensor, or tuples, lists and dicts of them)."""
-    if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
-
-
 STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
@@ -611,7 +614,8 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     into buckets of this many bytes, walking back from the last parameter, merging small units
     and splitting large ones at parameter boundaries (0: every unit is its own bucket); stage 3
     ignores it. check_steps: one 16-byte all-reduce per step that stops ranks that
-    communicated different units before anything is applied (check_step_agrees). shard_size:
+    communicated different units before anything is applied (check_step_agrees; the same bytes
+    say whether some parameter got no gradient, which step() then leaves alone). shard_size:
     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and replicate over
     the N/G groups (hybrid_groups; default N). init, device: for a model built under
     torch.device("meta"), initialized in place one unit at a time on `device` (default: this
@@ -694,6 +698,7 @@ def make_units(zero, model, modules):
             groups.append(([module] if module else [], params))
     if not groups:
         raise ValueError("zero: the model has no trainable parameters")
+    refuse_sparse(model)  # (checks)
     if zero.bucket_bytes:  # several units in one, or one in several
         groups = buckets(groups, zero.bucket_bytes)
     for _, params in groups:  # one flat buffer holds one dtype on one device
@@ -718,9 +723,32 @@ def own_parameters(module, unit_modules):
     return out
 
 
+def output_tensors(x, seen=None):
+    """The tensors in a module's output, at any depth: a tensor, or the tuples (named ones too),
+    lists, dicts (model-output classes too), dataclasses and other objects that hold tensors in
+    their attributes. Stage 3 hooks them to gather the unit again when backward reaches them.
+    Each container is opened once (an output may refer to itself); modules are not opened."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(x):
+        return [x]
+    if id(x) in seen or isinstance(x, (str, bytes, type, nn.Module, types.ModuleType)):
+        return []
+    seen.add(id(x))
+    if isinstance(x, dict):
+        items = list(x.values())
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        items = list(x)
+    elif dataclasses.is_dataclass(x):  # (fields: also a dataclass with __slots__)
+        items = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+    else:
+        items = list(vars(x).values()) if hasattr(x, "__dict__") else []
+    return [t for item in items for t in output_tensors(item, seen)]
+
+
 def replicated(model):
-    """Frozen parameters and buffers: every rank holds them whole, none of them is sharded."""
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    """Frozen parameters and buffers: every rank holds them whole, none of them is sharded.
+    Frozen means frozen at wrap(): a unit's parameter frozen later is still the unit's."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "_zero_unit")]
     return frozen + list(model.named_buffers())
 
 
@@ -1019,20 +1047,28 @@ PIECE = {"cpu": 1 << 20, "cuda": 1 << 22}
 
 
 def optimizer_pieces(zero):
-    """The tensors the optimizer steps: each unit's master cut into pieces of at most PIECE
-    elements (views, no copy). Exact all the same (element-wise optimizers), and it bounds the
-    temporaries torch's optimizers allocate per tensor (Adam's sqrt(v) + eps, ...) to one
-    piece: one [S] temporary of a 50M-parameter shard would be 200 MB of transient memory. So
-    with their for-loop implementation, the default on CPU; on CUDA the default is foreach, which
-    makes each temporary for all the tensors at once: one fp32 [S] while the step runs, whatever
-    the pieces. Each piece costs Adam a step counter of its own."""
+    """The tensors the optimizer steps: each unit's master (the elements this rank steps) cut
+    where a parameter ends, and within a parameter into pieces of at most PIECE elements (views,
+    no copy). Exact all the same (element-wise optimizers). The cuts at parameters make a piece
+    belong to one parameter (unit.owner; the unit's padding rides with its last one), so that
+    step() can hand the optimizer no gradient for a parameter that got none, as torch skips
+    it. The cuts by size bound the temporaries torch's optimizers allocate per tensor (Adam's
+    sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter shard would be 200 MB
+    of transient memory. So with their for-loop implementation, the default on CPU; on CUDA the
+    default is foreach, which makes each temporary for all the tensors at once: one fp32 [S]
+    while the step runs, whatever the pieces. The price: more tensors per step (about one per
+    parameter, as torch's own optimizers take anyway), and a step counter of Adam's for each
+    (4 bytes)."""
     device = zero.units[0].flat.device
     zero.piece = PIECE.get(device.type, PIECE["cuda"])
     for u in zero.units:
-        u.pieces = u.master.split(zero.piece)
-        if not zero.mixed_precision:  # the gradient of each piece: a view of the gradient shard
-            for piece, g in zip(u.pieces, u.grad_shard.split(zero.piece)):
-                piece.grad = g
+        u.pieces, u.owner, lo, hi = [], [], u.owned.start, u.owned.stop
+        ends = [u.offset[p] for p in u.params[1:]] + [u.flat.numel()]  # where each one's ends
+        for p, end in zip(u.params, ends):
+            a, b = max(u.offset[p], lo), min(end, hi)  # p's elements that this rank steps
+            for start in range(a, b, zero.piece):
+                u.pieces.append(u.master[start - lo:min(start + zero.piece, b) - lo])
+                u.owner.append(p)
     return [piece for u in zero.units for piece in u.pieces]
 
 
@@ -1147,16 +1183,23 @@ def reduces_a_copy(zero, unit):  # for_reduction() copies this unit's gradient i
 
 
 @contextlib.contextmanager
-def fp32_step(zero):
-    """Around optimizer.step(): in mixed precision, hand it an fp32 copy of each gradient shard
-    (for the step only), and round the updated fp32 masters into the param_dtype shards after."""
-    mixed = zero.units if zero.mixed_precision else []
-    for u in mixed:  # [S] fp32 gradient, for the step only
-        for piece, g in zip(u.pieces, u.grad_shard.to(u.master.dtype).split(zero.piece)):
-            piece.grad = g
+def step_grads(zero):
+    """Around optimizer.step(): hand each piece its gradient, a view of the gradient shard (in
+    mixed precision, of an fp32 copy of it, for the step only), or None for a piece of a
+    parameter that no rank got a gradient for since zero_grad() (zero.with_grad). torch's
+    optimizers skip a tensor whose .grad is None: its values and its state (Adam's m, v and
+    step count) stay as they were, as plain torch leaves an unused parameter. In mixed
+    precision, round the updated fp32 masters into the param_dtype shards after."""
+    refuse_unfrozen(zero)
+    for u in zero.units:
+        grad = u.grad_shard.to(u.master.dtype)  # no copy unless mixed precision
+        sizes = [piece.numel() for piece in u.pieces]
+        for piece, g, p in zip(u.pieces, grad.split(sizes), u.owner):
+            piece.grad = g if p in zero.with_grad else None
     yield
-    for u in mixed:
-        u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
+    for u in zero.units:
+        if zero.mixed_precision:
+            u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
         for piece in u.pieces:
             piece.grad = None
 
@@ -1645,20 +1688,69 @@ def check_ranks_agree(zero, param_dtype):
 
 
 def check_step_agrees(zero):
+    """The parameters that got a gradient on some rank since zero_grad(), a set: step() steps
+    those only. Checks first that every rank communicated the same units (check_steps)."""
     # Ranks that computed with different units of the same size (a forward that branches on
     # the rank, or on data) pair the wrong buffers in their collectives, and nothing fails. So
     # every rank keeps a fingerprint of the collectives it made on which units (Meter.sent),
     # and before the optimizer applies anything one all-reduce of 16 bytes compares them, as
     # DDP's find_unused_parameters pays an all-reduce per step. check_steps=False turns it off.
-    if zero.world == 1 or not zero.check_steps:
-        return
-    t = torch.tensor([zero.meter.trace, -zero.meter.trace], device=zero.units[0].flat.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    zero.meter.sent("all_reduce", t)
+    #
+    # torch skips a parameter whose .grad is None; whether one got a gradient is known on each
+    # rank (unit.got), whether any rank got one takes a collective. The check's 16 bytes carry
+    # it as one bit: the fingerprint, made even, plus 1 where this rank has a parameter with no
+    # gradient. max(trace + bit) + max(-trace) is then 0 or 1 if the traces agree, 2 or more if
+    # not. Only if some rank set the bit (a model that leaves parameters unused) does a second
+    # all-reduce, of a byte per parameter (MAX: "on any rank"), say which. Over every rank,
+    # hybrid sharding too. check_steps=False pays that one every step, and the check nothing.
+    params = [p for u in zero.units for p in u.params]
+    got = [p in u.got for u in zero.units for p in u.params]
+    device, missing = zero.units[0].flat.device, not all(got)
+    if zero.world > 1 and zero.check_steps:
+        trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
+        t = torch.tensor([trace + missing, -trace], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        zero.meter.sent("all_reduce", t)
+        if t.sum() > 1:
+            raise RuntimeError("zero: ranks communicated different units in this step (did they "
+                               "compute with different parameters?): the step is not applied")
+        missing = t.sum() == 1
+    if zero.world > 1 and (missing or not zero.check_steps):
+        t = torch.tensor(got, dtype=torch.uint8, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        zero.meter.sent("all_reduce", t)
+        got = t.tolist()
     zero.meter.trace = 0
-    if t[0] != -t[1]:
-        raise RuntimeError("zero: ranks communicated different units in this step (did they "
-                           "compute with different parameters?): the step is not applied")
+    return {p for p, g in zip(params, got) if g}
+
+
+def sparse_gradient_error(zero, p):
+    name = {q: n for n, q in zero.model.named_parameters()}[p]
+    return RuntimeError(f"zero: {name} got a sparse gradient ({p.grad.layout}): zero.py reduces "
+                        "dense gradients in flat buffers; compute it densely (nn.Embedding and "
+                        "nn.EmbeddingBag: sparse=False)")
+
+
+def refuse_sparse(model):
+    # nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse gradients, which
+    # have no storage to copy into a unit's flat gradient: refused at wrap, not in backward.
+    for name, m in model.named_modules():
+        for n, p in m.named_parameters(prefix=name, recurse=False):
+            if getattr(m, "sparse", False) is True and p.requires_grad:
+                raise ValueError(f"zero: {n} would get sparse gradients ({type(m).__name__} with "
+                                 "sparse=True): zero.py reduces dense gradients in flat buffers; "
+                                 "build it with sparse=False")
+
+
+def refuse_unfrozen(zero):
+    # A parameter frozen at wrap() belongs to no unit: nothing reduces or steps its gradient.
+    # Unfrozen later, it would train on no rank while its gradients piled up: refused. (Frozen
+    # after wrap() is torch's case: it gets no gradient, and step() leaves it alone.)
+    for name, p in zero.model.named_parameters():
+        if p.requires_grad and not hasattr(p, "_zero_unit"):
+            raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
+                               "shards and steps the parameters trainable then; build the model "
+                               "with it trainable and wrap it again")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1695,9 +1787,24 @@ def layout(zero):
 
 def checkpoint_part(zero):
     """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
-    unit's fp32 master weights and per-element optimizer state, optimizer scalars (Adam's step
-    count) and hyper-parameters, the layout; rank 0 also the frozen parameters and buffers."""
-    units, scalars, q = [], {}, part_index(zero.rank, zero.world, zero.G)
+    unit's fp32 master weights and per-element optimizer state, the optimizer scalars (Adam's
+    step count) of each parameter it steps, and hyper-parameters, the layout; rank 0 also the
+    frozen parameters and buffers."""
+    units, q = [], part_index(zero.rank, zero.world, zero.G)
+    names = {p: n for n, p in zero.model.named_parameters()}
+    state = {piece: zero.optimizer.state.get(piece, {}) for u in zero.units for piece in u.pieces}
+    per_element = lambda v, piece: torch.is_tensor(v) and v.shape == piece.shape  # noqa: E731
+    keys = list(dict.fromkeys(k for piece, st in state.items() for k, v in st.items()
+                              if per_element(v, piece)))  # Adam's m and v
+    # Scalars per parameter, by name: one that got no gradient in some steps was stepped fewer
+    # times (Adam's step count, which its bias correction reads). A parameter absent: the
+    # optimizer holds no state for it yet (never stepped), and its per-element state is zeros.
+    scalars = {}
+    for u in zero.units:
+        for piece, p in zip(u.pieces, u.owner):
+            if state[piece]:  # a copy: a later step must not change what this returned
+                scalars[names[p]] = {k: v.clone() if torch.is_tensor(v) else v
+                                     for k, v in state[piece].items() if not per_element(v, piece)}
     for u in zero.units:
         S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
         lo = q * S - u.owned.start  # where part q starts in what this rank steps (stage 0:
@@ -1706,17 +1813,12 @@ def checkpoint_part(zero):
         def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
             starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
             pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
-            return _wide(torch.cat([t.detach() for t in pieces if t.numel()]))
-        states = [zero.optimizer.state.get(piece, {}) for piece in u.pieces]
-        per_element = {}
-        for key, value in states[0].items():
-            if torch.is_tensor(value) and value.shape == u.pieces[0].shape:
-                per_element[key] = mine([s[key] for s in states])
-            else:  # a copy: a later step must not change what this returned (Adam's step)
-                scalars[key] = value.clone() if torch.is_tensor(value) else value
-        units.append({"master": mine(u.pieces), "state": per_element})
+            return _wide(torch.cat([u.master[:0]] + [t.detach() for t in pieces if t.numel()]))
+        units.append({"master": mine(u.pieces), "state": {
+            k: mine([state[piece].get(k, torch.zeros_like(piece)) for piece in u.pieces])
+            for k in keys}})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
-    return {"rank": q, "units": units, "scalars": scalars, "hyper": hyper,
+    return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
             "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
             "replicated": {n: t.detach().clone() for n, t in replicated(zero.model)}
             if zero.rank == 0 else {}}
@@ -1782,15 +1884,18 @@ def load_parts(zero, parts, written):
         while lo < hi:
             q = lo // S[i]  # the rank that wrote element lo
             end = min(hi, (q + 1) * S[i])
-            unit = parts[q]["units"][i]
-            t = unit["master"] if key == "master" else unit["state"][key]
+            unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
+            t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S[i]))
             out.append(t[lo - q * S[i]:end - q * S[i]])
             lo = end
         return torch.cat(out)
 
     first = next(p for p in parts if p is not None)
-    keys = ["master"] + list(first["units"][0]["state"])
-    scalars = first["scalars"]
+    keys = ["master"] + list(dict.fromkeys(k for part in parts if part is not None
+                                           for unit in part["units"] for k in unit["state"]))
+    scalars = {}  # parameter name -> its optimizer scalars; absent: no state, never stepped
+    for part in parts:
+        scalars.update(_param_scalars(part, written) if part is not None else {})
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
@@ -1806,12 +1911,13 @@ def load_parts(zero, parts, written):
                         t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
             u.master.copy_(values.pop("master"))
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
-            if values or scalars:  # the optimizer has state (it has stepped at least once)
-                chunks = (t.split(zero.piece) for t in values.values())
-                for piece, *chunk in zip(u.pieces, *chunks):
+            sizes = [piece.numel() for piece in u.pieces]
+            chunks = (t.split(sizes) for t in values.values())
+            for piece, p, *chunk in zip(u.pieces, u.owner, *chunks):
+                if names[p] in scalars:  # the optimizer has state for p (it was stepped)
                     state[piece] = {**dict(zip(values, chunk)),
                                     **{k: v.clone() if torch.is_tensor(v) else v
-                                       for k, v in scalars.items()}}
+                                       for k, v in scalars[names[p]].items()}}
         if parts[0] is not None and parts[0]["replicated"] is not None:
             for n, t in replicated(zero.model):
                 t.copy_(parts[0]["replicated"][n])
@@ -1822,6 +1928,15 @@ def load_parts(zero, parts, written):
                                     "param_groups": groups})
     zero.zero_grad()
     zero._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
+
+
+def _param_scalars(part, written):
+    """{parameter name: optimizer scalars} of a part. Parts written before parameters could
+    skip steps hold one set of scalars, which every parameter had (if the optimizer had state)."""
+    if "param_scalars" in part:
+        return part["param_scalars"]
+    stateful = part["scalars"] or any(unit["state"] for unit in part["units"])
+    return {n: part["scalars"] for unit in written["units"] for n, _ in unit} if stateful else {}
 
 
 def check_checkpoint(zero, parts, written):
@@ -1837,13 +1952,17 @@ def check_checkpoint(zero, parts, written):
                 raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
                                       f"{b.get(n, 'absent')} there, {a.get(n, 'absent')} here")
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
-    # _part_problem); what is left is that every part holds the same optimizer states.
-    keys = set(parts[0]["units"][0]["state"]) if parts[0]["units"] else set()
+    # _part_problem); what is left is that every part holds the same optimizer states (or none:
+    # a rank whose parameters never got a gradient has no state to write).
+    keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
     for r, part in enumerate(parts):
+        if not all(isinstance(s, dict) for s in _param_scalars(part, written).values()):
+            raise CheckpointError(f"checkpoint part of rank {r}: its optimizer scalars are not "
+                                  "a dictionary per parameter")
         for i, unit in enumerate(part["units"]):
-            if set(unit["state"]) != keys:
+            if set(unit["state"]) not in (keys, set()):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
-                                      f"{sorted(unit['state'])}, rank 0's unit 0 has "
+                                      f"{sorted(unit['state'])}, other parts have "
                                       f"{sorted(keys)}")
     if parts[0].get("optimizer") != type(zero.optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
