@@ -2293,6 +2293,11 @@ def hybrid(rank, world):
             out[(stage, case)] = {"full": opt.full_state_dict(), "layout": layout(opt), "mem": mem[-1],
                                   "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b}
                                            for a, b in zip(comm, comm[1:])]}
+            # every backward reduces (no no_sync): at stage 1 the landed sum stays in the buffer
+            # that the next backward reduces again, across the replicas too
+            model, opt = wrapped(rank, stage, case, seed=100, shard_size=G)
+            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, no_sync=False)
+            out[(stage, case, "every-backward")] = opt.full_state_dict()
     # Checkpoints: written with G = 2 at stage 3, read with G = 4 at stage 1 and with G = 1 at
     # stage 2, trained on: as 4 uninterrupted steps. And load_state_dict(state_dict()) at G = 2.
     root = os.path.join(os.environ["ZERO_TEST_TMP"], "hybrid")
@@ -2343,11 +2348,12 @@ def hybrid_runs(request):
 @pytest.mark.parametrize("case", ["adamw", "sgd-accum"])
 @pytest.mark.parametrize("stage", range(1, 4))
 def test_hybrid_sharding_matches_the_reference(hybrid_runs, stage, case):
+    # with no_sync() around all micro-batches but the last, and with every backward reducing
     want = reference(case, 4)
     for res in hybrid_runs:
-        got = res[(stage, case)]["full"]
-        for name, t in want.items():
-            assert (got[name] - t).abs().max().item() <= 1e-5, name
+        for got in (res[(stage, case)]["full"], res[(stage, case, "every-backward")]):
+            for name, t in want.items():
+                assert (got[name] - t).abs().max().item() <= 1e-5, name
 
 
 @pytest.mark.parametrize("case", ["adamw", "sgd-accum"])

@@ -392,6 +392,7 @@ class ZeRO1(DataParallel):
         # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer its own
         # local values, which that sum counts: zero them, so a later backward adds only new
         # ones. Keep the sum: the next reduce-scatter adds to it, _reduce_grads divides by N.
+        # (With hybrid sharding 1/(N/G) of it, and by G: see across_replicas.)
         unit.grad_shard.copy_(mine)
         unit.grad[:unit.mine.start].zero_()
         unit.grad[unit.mine.stop:].zero_()
@@ -400,7 +401,7 @@ class ZeRO1(DataParallel):
         if not self._reduced:
             super()._reduce_grads()
             for unit in self.units:  # _division: "step", the sum over ranks / N, the mean
-                unit.grad_shard.div_(self.world)
+                unit.grad_shard.div_(self.G)  # (G = N; hybrid: N/G is divided by on landing)
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
@@ -916,11 +917,20 @@ def hybrid_groups(zero):
 
 def across_replicas(zero, work, mine, unit):
     """After the reduce-scatter within the shard group (work), the all-reduce of this rank's
-    [S] sum across its replica group, when work is waited for: the sum over all N ranks."""
+    [S] sum across its replica group, when work is waited for: the sum over all N ranks, of
+    which each of the R = N/G ranks holding this shard keeps 1/R, so step() divides by G.
+    Why not the sum itself: at stage 1 it stays in the gradient buffer, which a later backward
+    (accumulating without no_sync) reduces again, and the R replicas would then add it up R
+    times; their R parts add up to it once."""
     if zero.replica_group is None:
         return work
-    zero.meter.sent("all_reduce across groups", mine, unit, ranks=zero.world // zero.G)
-    return _Pending([work], lambda: dist.all_reduce(mine, group=zero.replica_group))
+    R = zero.world // zero.G
+    zero.meter.sent("all_reduce across groups", mine, unit, ranks=R)
+
+    def finish():
+        dist.all_reduce(mine, group=zero.replica_group)
+        mine.div_(R)
+    return _Pending([work], finish)
 
 
 def part_index(rank, world, G):
