@@ -135,8 +135,7 @@ def materialize(model, args, device):
     with swapping_to_empty():
         model.to_empty(device=device)
     torch.manual_seed(args.seed)
-    for m in model.modules():
-        zero.GPT.init_weights(m)
+    model.apply(zero.GPT.init_weights)
     full = {}
     if dist.get_rank() == 0:
         if args.init_from:
@@ -147,8 +146,7 @@ def materialize(model, args, device):
             with swapping_to_empty():
                 whole.to_empty(device="cpu")
             torch.manual_seed(args.seed)
-            for m in whole.modules():
-                zero.GPT.init_weights(m)
+            whole.apply(zero.GPT.init_weights)
             full = whole.state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))

@@ -122,7 +122,7 @@ class Unit:
         self.unreduced = False      # holds local gradients that no reduction has summed yet
         self.cleared = True         # holds no gradient since zero_grad() (p.grad is None)
         self.divide = "landing"     # where the sum over ranks is divided by N: _division
-        self.users, self.gathered_at = 0, 0  # stage 3: modules computing with it; the step then
+        self.users, self.gathered_at = 0, 0  # stage 3: modules computing with it; steps then
         self.prefetch = None        # stage 3: its all-gather, launched ahead and in flight
 
     @property
@@ -181,8 +181,9 @@ class DataParallel:
         check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
         self.shard_group, self.replica_group = hybrid_groups(self)  # G = N: None, None
         # Unit by unit. A model built on the meta device (no memory yet) gets each unit
-        # allocated and initialized by materialize() (Part II) just before it is cut here: no
-        # rank ever holds the whole model, not even while building it.
+        # allocated and initialized by materialize() (Part II) just before it is cut here, so
+        # at stage 3 no rank ever holds the whole model, not even while building it. (A model
+        # built normally: its units, as they are.)
         for unit in materialize(self, init):
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
             full = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
@@ -241,7 +242,7 @@ class DataParallel:
                 view.copy_(p.grad.detach())
         p.grad = view if self.keeps_full_grads else None
         unit.unreduced, unit.arrived = True, unit.arrived + 1
-        unit.got.add(p)  # p got one here, so step() steps it (one no rank got one for: not)
+        unit.got.add(p)  # step() steps only what got a gradient on some rank (check_step_agrees)
         if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
             self._reduce_unit(unit)
 
@@ -498,7 +499,8 @@ class ZeRO3(ZeRO2):
     def _gather(self, unit, prefetch=False):
         if not unit.gathered:  # a new block, on the compute stream (on CUDA: see _free)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            unit.prefetch = all_gather(unit.flat, unit.shard, prefetch, self.shard_group)  # N x [S]
+            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch,
+                                       group=self.shard_group)  # N x [S]; a Work if async
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("gather", unit)
             unit.gathered_at = self.steps
@@ -620,8 +622,8 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and replicate over
     the N/G groups (hybrid_groups; default N). init, device: for a model built under
     torch.device("meta"), initialized in place one unit at a time on `device` (default: this
-    rank's GPU under NCCL, else the CPU) by init(module) for each module in model.modules()
-    order (default: module.reset_parameters()); see materialize()."""
+    rank's GPU under NCCL, else the CPU) as model.apply(init) would (default: each module's
+    reset_parameters()); see materialize()."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
@@ -757,17 +759,21 @@ def replicated(model):
 # Building a model no rank can hold: the meta device. Under `with torch.device("meta"):` a model
 # is built with shapes and dtypes only, no memory and no initialization (PyTorch's way to build
 # what does not fit; FSDP2 shards such a model and then calls to_empty() and an init, DeepSpeed
-# builds under zero.Init). wrap() then walks model.modules() in order, as a plain
-# `for m in model.modules(): init(m)` would, and allocates a unit only when the walk first
-# reaches a module holding one of its parameters. A unit is handed back to wrap() to be
-# broadcast and cut to this rank's shard (stage 3 frees the rest) as soon as the last module
-# holding any of its parameters is initialized; only then is the next unit allocated. So at
-# stage 3 a rank holds its shards, the root unit (its modules come first and last: the
-# embedding and the head) and the one unit being initialized, never the whole model. (A unit
-# with a parameter that a later module shares, such as an embedding unit tied to a head unit,
-# stays whole until that module is initialized: its init draws that parameter again.) The
-# random numbers are drawn in the same order as by that plain loop over a normally built model
-# after the same torch.manual_seed: the same weights, bit for bit.
+# builds under zero.Init). wrap() then visits the modules in the order of model.apply(init),
+# torch's and transformers' way to initialize (children first, then their parent, whose init
+# may set its children's tensors: GPT-2's scaled init of the residual projections), and
+# allocates a unit only when the walk first reaches a module holding one of its parameters. A
+# unit is handed back to wrap() to be broadcast and cut to this rank's shard (stage 3 frees
+# the rest) once its own module, and every module holding one of its parameters, is
+# initialized; only then is the next unit allocated. So at stage 3 a rank holds its shards,
+# the root unit (handed out last: the model's own init may set any of it) and the one unit
+# being initialized, never the whole model. (A unit with a parameter that a later module
+# shares, such as an embedding unit tied to a head unit, stays whole until that module is
+# initialized: its init draws that parameter again.) The random numbers are drawn in the same
+# order as by model.apply(init) on a normally built model after the same torch.manual_seed:
+# the same weights, bit for bit. An init that writes where that cannot hold (to a unit not
+# allocated yet, whose meta tensors would silently drop the write, or one already cut) is an
+# error (_NoWritesOutside).
 
 def build_device(zero, device):
     """Where the model lives: its own device, or for a model built on the meta device `device`,
@@ -790,7 +796,7 @@ def build_device(zero, device):
 def materialize(zero, init):
     """The units, each ready to be sharded (wrap's loop). For a model built on the meta device,
     each unit is allocated on zero.device and initialized just before it is handed out: init(m)
-    for every module m in model.modules() order (default: m.reset_parameters(), where m has one;
+    for every module m in model.apply()'s order (default: m.reset_parameters(), where m has one;
     a module with tensors of its own on the meta device and no reset_parameters is an error).
     Every element starts as NaN, so one that init() leaves unset is an error, not garbage."""
     zero.meter.event("building")
@@ -801,14 +807,21 @@ def materialize(zero, init):
         yield from zero.units
         return
     model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
-    modules, pnames = list(model.modules()), {p: n for n, p in model.named_parameters()}
+    modules, pnames = list(_apply_order(model)), {p: n for n, p in model.named_parameters()}
     owner = {p: u for u in zero.units for p in u.params}
     last = {owner[p]: k for k, m in enumerate(modules) for p in m.parameters(recurse=False)
-            if p in owner}  # the unit -> the last module holding one of its parameters
+            if p in owner}  # the unit -> the last module holding one of its parameters...
+    for k, m in enumerate(modules):  # ...or its own module, whose init may set its children's
+        for u in zero.units:
+            if m in u.modules or (not u.modules and m is model):
+                last[u] = max(last.get(u, k), k)
+    released = []
+    was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
     made, out, fresh = {}, set(), []  # made: meta buffer -> its tensor (buffers may be shared)
     for k, m in enumerate(modules):
         own_meta = [t for t in itertools.chain(m.parameters(recurse=False),
-                                               m.buffers(recurse=False)) if t.is_meta]
+                                               m.buffers(recurse=False))
+                    if t.is_meta or id(t) in was_meta]
         if init is None and own_meta and not hasattr(m, "reset_parameters"):
             raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
                              "device and no reset_parameters(): pass wrap(init=...) to "
@@ -827,7 +840,7 @@ def materialize(zero, init):
                     fresh += [(made[b], _name(names[m], b, m._buffers))] * b.is_meta
                 m._buffers[name] = made[b]
         before = list(m.parameters(recurse=False))
-        with torch.no_grad():
+        with torch.no_grad(), _NoWritesOutside(names[m], released):
             if init is not None:
                 init(m)
             elif hasattr(m, "reset_parameters"):
@@ -839,8 +852,40 @@ def materialize(zero, init):
             _check_set([(p, pnames[p]) for p in u.params])
             out.add(u)
             yield u
+            released.append(u.flat.untyped_storage())
     _check_set(fresh)
     yield from [u for u in zero.units if u not in out]  # (none: every unit has a module)
+
+
+def _apply_order(m):  # the modules in nn.Module.apply's order: children first, then m
+    for child in m.children():
+        yield from _apply_order(child)
+    yield m
+
+
+class _NoWritesOutside(torch.overrides.TorchFunctionMode):
+    """init(m) may write only to tensors that exist now: not to those of a unit not allocated yet
+    (a meta tensor: the write would be silently dropped) nor of one already handed out. A torch
+    function mode sees every torch call made inside it; in-place ones end in "_"."""
+
+    def __init__(self, module_name, released):
+        super().__init__()
+        self.module_name, self.released = module_name, released
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.startswith("_")) or "out" in kwargs:
+            for t in [args[0] if args else kwargs.get("tensor"), kwargs.get("out")]:
+                if torch.is_tensor(t) and t.numel() and (
+                        t.is_meta or any(t.untyped_storage()._cdata == s._cdata
+                                         for s in self.released)):
+                    raise ValueError(
+                        f"zero: init({self.module_name}) writes to a tensor of a unit that is "
+                        f"{'not allocated yet' if t.is_meta else 'built already'} ({name}): "
+                        "init(module) may set the tensors of the module and its submodules, "
+                        "within one unit")
+        return func(*args, **kwargs)
 
 
 def _materialize_unit(zero, unit):
@@ -1651,7 +1696,8 @@ class ShardedParameter(nn.Parameter):
 
 _METADATA = {"numel", "dim", "size", "stride", "storage_offset", "untyped_storage", "data_ptr",
              "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
-             "register_hook", "requires_grad_", "retain_grad", "__hash__"}
+             "register_hook", "requires_grad_", "retain_grad", "__hash__", "is_floating_point",
+             "is_complex", "is_signed", "get_device", "__len__"}
 
 
 def _reads_values(func, args):
@@ -2513,8 +2559,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.wte.weight
-        for m in self.modules():  # (built on the meta device, this draws nothing: wrap(init=))
-            self.init_weights(m)
+        self.apply(self.init_weights)  # (built on the meta device, this draws nothing: wrap(init=))
 
     @staticmethod
     def init_weights(m):
@@ -2660,7 +2705,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             log(f"note: the data stream differs from the checkpoint's "
                 f"({manifest['extra'].get('data')}, now {data_position(args, world)}): "
                 "training goes on, on other batches")
-    # zero.py counts its own calls as it makes them (_sent); fsdp_demo.py's PyTorch runs count
+    # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count
     # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
     counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
     times, losses, sent, mem, start = [], [], [], None, Counter(opt.comm)
@@ -2851,6 +2896,11 @@ def report(res, args):
     if res["cuda_peak"]:
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
+    if getattr(args, "max_memory", None) and res["used"] >= 0:
+        log0(f"--max-memory {_si(args.max_memory)}B per rank: at most {_si(res['used'])}B used "
+             f"above the runtime, {_si(res['used'] - sum(peak.values()))}B of it not model state"
+             + (f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else "")
+             + " (largest over the ranks)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3096,9 +3146,9 @@ def print_memory_wall(args, rows):
             best[stage] = ok
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
-          "measured: the most model state a rank held (zero.py's own count); rest: the most a rank\n"
-          "allocated above its runtime (CPU: the data size, sampled at each block's forward and "
-          "backward),\nless that model state: activations, the backend's buffers, temporaries, "
+          "measured: the most model state a rank held (zero.py's own count); rest: the most a "
+          "rank\nallocated above its runtime (CPU: the data size, sampled at each block's forward "
+          "and backward),\nless that model state: activations, the backend's buffers, temporaries, "
           "Python's objects." + (f"\nRuntime (Python, torch, the backend), not counted in "
                                  f"--max-memory: {_si(max(runtime))}B per rank" if runtime else ""))
     if 0 in best and 3 in best:
@@ -3249,12 +3299,12 @@ def main(argv=None):
         args.record_step = args.steps
     if args.ckpt_every and not args.ckpt_dir:
         raise UsageError("--ckpt-every needs --ckpt-dir")
+    if args.world_size and args.shard_size and args.world_size % args.shard_size:
+        raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
+                         f"{args.world_size}")
     if args.largest_model:
         if args.max_memory is None or args.world_size is None:
             raise UsageError("--largest-model needs --max-memory and --world-size")
-        if args.shard_size and args.world_size % args.shard_size:
-            raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
-                             f"{args.world_size}")
         if "RANK" in os.environ:
             raise UsageError("--largest-model launches its own ranks: run it without torchrun")
     elif args.world_size is not None and not args.estimate:
@@ -3266,9 +3316,6 @@ def main(argv=None):
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
-        if args.shard_size and args.world_size % args.shard_size:
-            raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
-                             f"{args.world_size}")
         estimate(args.params, args.world_size, args.shard_size)
     elif args.consolidate:
         if not args.out:
@@ -3311,7 +3358,7 @@ def run(main, argv=None):
         main(argv)
     except (UsageError, Diverged) as e:
         if rank0:
-            print(f"{prog}: error: {e}", file=sys.stderr)
+            say(f"{prog}: error: {e}")
         code = 2 if isinstance(e, UsageError) else 3
     except ValueError as e:
         # wrap's own checks ("zero: ranks disagree: ..." on every rank, before any training) are
@@ -3319,24 +3366,22 @@ def run(main, argv=None):
         if not str(e).startswith("zero: "):
             raise
         if rank0:
-            print(f"{prog}: error: {str(e)[len('zero: '):]}", file=sys.stderr)
+            say(f"{prog}: error: {str(e)[len('zero: '):]}")
         code = 2
     except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        say(f"{prog}: error: {e}")
         code = 4
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
         if rank0:
-            print(f"{prog}: interrupted; the checkpoints written so far are intact",
-                  file=sys.stderr)
+            say(f"{prog}: interrupted; the checkpoints written so far are intact")
         code = 130
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in PEER_FAILURES):
             raise
-        print(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
-              f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})",
-              file=sys.stderr)
+        say(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
+            f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})")
         code = 1
     if dist.is_initialized() and code not in (1, 4, 130):
         dist.destroy_process_group()
@@ -3346,6 +3391,13 @@ def run(main, argv=None):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def say(line):
+    """One line on stderr in one write: the ranks of a job share it, and print() writes the
+    line and its newline apart, so two ranks' lines could run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
