@@ -1512,6 +1512,7 @@ def fsdp_scenarios(rank, world):
     if world == 4:
         # the command lines of fsdp_demo.py, as zero.run(fsdp_demo.main) runs them
         out["--compare"] = main_printed(fsdp_demo.main, ["--stage", "3", "--compare", *SMALL])
+        out["--bf16"] = main_printed(fsdp_demo.main, ["--stage", "3", "--bf16", *SMALL])
     if world == 2:
         # pretrained weights: FSDP2 loads rank 0's file with set_model_state_dict (broadcast from
         # rank 0), zero.py reads each rank's own shards of the memory-mapped file
@@ -1521,7 +1522,6 @@ def fsdp_scenarios(rank, world):
             torch.save(zero.GPT(16, 16, 2, 4).state_dict(), path)  # SMALL's model, other weights
         dist.barrier()
         out["--init-from"] = main_printed(fsdp_demo.main, ["--stage", "2", "--compare", *SMALL, "--init-from", path])
-        out["--bf16"] = main_printed(fsdp_demo.main, ["--stage", "3", "--bf16", *SMALL])
     return out
 
 

@@ -107,7 +107,7 @@ class Unit:
         numel = sum(p.numel() for p in params)
         self.S = -(-numel // world) * world // G   # ceil(numel/N) * N / G: N parts, cut in G
         self.flat = torch.zeros(G * self.S, dtype=params[0].dtype, device=params[0].device)
-        self.offset, o = {}, 0
+        self.offset, o = {}, 0  # (a model on the meta device: all of this is shapes only)
         for p in params:
             self.flat[o:o + p.numel()].copy_(p.detach().flatten())
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
@@ -124,6 +124,7 @@ class Unit:
         self.divide = "landing"     # where the sum over ranks is divided by N: _division
         self.users, self.gathered_at = 0, 0  # stage 3: modules computing with it; steps then
         self.prefetch = None        # stage 3: its all-gather, launched ahead and in flight
+        self.index = None           # its place in the model's list of units (make_units)
 
     @property
     def gathered(self):  # stage 3 frees the flat buffer's storage while the unit is not used
