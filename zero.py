@@ -458,6 +458,7 @@ class ZeRO2(ZeRO1):
 
     def _land(self, unit, mine):
         unit.grad_shard.add_(mine)  # the sum over ranks, added up over backward calls; / N later
+        # (hybrid: 1/(N/G) of the sum, then / G: across_replicas)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2849,7 +2850,7 @@ def report(res, args):
     if ours and built.get("params", -1) >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
              f"{sum(built.values()):,} bytes\n   of model state held on a rank, against "
-             f"{pb * psi:,} for the whole model's parameters")
+             f"{4 * psi:,} for the whole model's parameters as built (fp32)")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
          f"bytes,\n  reductions in 4; N = {world}, k = {k} micro-batches"
          + (f", G = {G}: hybrid)" if G < world else ")"))
