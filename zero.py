@@ -306,7 +306,7 @@ class DataParallel:
             if unit.unreduced:
                 self._reduce_unit(unit)
             else:
-                self._zero_missing(unit)  # none reduced: no gradient at all this step
+                self._zero_missing(unit)  # (reduced in backward; or no gradient at all)
         self.in_flight.land()
         # Every rank reduced the same units (checks); and which parameters got a gradient on
         # some rank since zero_grad(): the others are not stepped, as torch skips .grad None.
