@@ -695,6 +695,7 @@ def make_units(zero, model, modules):
         raise ValueError("zero: every unit must be a submodule of the model (not the model itself)")
     modules = list(dict.fromkeys(modules))
     zero.unit_modules = modules  # a module holding only tied weights of other units stays listed
+    zero.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     seen, groups = set(), []
     for module in modules + [None]:
         params = [p for p in (module or model).parameters() if p.requires_grad and p not in seen]
@@ -810,6 +811,7 @@ def materialize(zero, init):
         return
     model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
     modules, pnames = list(_apply_order(model)), {p: n for n, p in model.named_parameters()}
+    bnames = {b: n for n, b in model.named_buffers()}
     owner = {p: u for u in zero.units for p in u.params}
     last = {owner[p]: k for k, m in enumerate(modules) for p in m.parameters(recurse=False)
             if p in owner}  # the unit -> the last module holding one of its parameters...
@@ -833,13 +835,13 @@ def materialize(zero, init):
                 _materialize_unit(zero, owner[p])
             elif p.is_meta:  # a frozen parameter: not sharded, held whole as in a normal build
                 _swap_in(p, _unset(torch.empty_like(p, device=zero.device)))
-                fresh.append((p, _name(names[m], p, m._parameters)))
+                fresh.append((p, pnames[p]))
         for name, b in m._buffers.items():
             if b is not None and (b.is_meta or b.device != zero.device):
                 if b not in made:
                     made[b] = _unset(torch.empty_like(b, device=zero.device)) if b.is_meta \
                         else b.to(zero.device)
-                    fresh += [(made[b], _name(names[m], b, m._buffers))] * b.is_meta
+                    fresh += [(made[b], bnames[b])] * b.is_meta
                 m._buffers[name] = made[b]
         before = list(m.parameters(recurse=False))
         with torch.no_grad(), _NoWritesOutside(names[m], released):
@@ -914,11 +916,6 @@ def _swap_in(t, value):
 def _unset(t):  # what no init has written yet: NaN (or the smallest integer)
     return t.fill_(float("nan") if t.is_floating_point() else
                    torch.iinfo(t.dtype).min if t.dtype != torch.bool else False)
-
-
-def _name(module_name, t, tensors):  # "blocks.0.ln.weight": a tensor by its module's name
-    key = next(k for k, v in tensors.items() if v is t)
-    return key if module_name == "the model" else f"{module_name}.{key}"
 
 
 def _check_set(tensors):
@@ -1803,9 +1800,10 @@ def refuse_sparse(model):
 def refuse_unfrozen(zero):
     # A parameter frozen at wrap() belongs to no unit: nothing reduces or steps its gradient.
     # Unfrozen later, it would train on no rank while its gradients piled up: refused. (Frozen
-    # after wrap() is torch's case: it gets no gradient, and step() leaves it alone.)
-    for name, p in zero.model.named_parameters():
-        if p.requires_grad and not hasattr(p, "_zero_unit"):
+    # after wrap() is torch's case: it gets no gradient, and step() leaves it alone.) Only the
+    # parameters frozen at wrap() are looked at (make_units listed them): this runs every step.
+    for name, p in zero.frozen:
+        if p.requires_grad:
             raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
                                "shards and steps the parameters trainable then; build the model "
                                "with it trainable and wrap it again")
