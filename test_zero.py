@@ -1410,7 +1410,7 @@ def launcher_script(path, body):
 CLI_RUNS = [(f"stage {stage}", ["--stage", str(stage), *SMALL]) for stage in range(4)] + [
     ("max-memory", ["--stage", "3", *SMALL, "--max-memory", "300MB"])]  # last: the limit stays
 CLI_DRIVER = """
-def main(_):
+def main():  # as a user writes it: zero.run(main) calls it without argv
     for name, argv in {runs!r}:
         if os.environ["RANK"] == "0":
             print("=== " + name, flush=True)
@@ -3057,6 +3057,27 @@ def test_a_trial_out_of_memory_ends_only_that_trial():
     assert not refused["ok"] and "out of memory" in refused["error"] and refused["layers"] == 2
     with torch.device("meta"):
         assert refused["psi"] == sum(p.numel() for p in zero.GPT(16, 16, 2, 4).parameters())
+
+
+def test_trial_reports_that_arrive_together_are_all_read():
+    # Two ranks run out of memory and report in the same instant, a third is still working:
+    # wait() returns both pipes at once, and the first report ends the trial. Every ready report
+    # is read, none raises (a KeyError here once ended --largest-model in a traceback), and the
+    # rank that never reports is not waited for.
+    import multiprocessing as mp
+    pipes = [mp.Pipe(duplex=False) for _ in range(3)]
+    for r in (0, 2):
+        pipes[r][1].send({"ok": False, "error": f"rank {r}: out of memory in the forward"})
+    for _ in range(50):  # both pipes readable before _collect looks
+        if all(pipes[r][0].poll() for r in (0, 2)):
+            break
+        time.sleep(0.01)
+    results = zero._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)
+    assert sorted(results) == [0, 2] and all("out of memory" in res["error"] for res in results.values())
+    pipes[1][1].send({"ok": True})  # a normal trial: every rank reports, then it is over
+    pipes[0][1].send({"ok": True})
+    pipes[2][1].send({"ok": True})
+    assert sorted(zero._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)) == [0, 1, 2]
 
 
 def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys):

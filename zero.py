@@ -3064,20 +3064,8 @@ def _trial(args, stage, layers):
              for r, (_, send) in enumerate(pipes)]
     for p in procs:
         p.start()
-    results, deadline = {}, time.time() + 120 + 4 * args.timeout
     try:
-        from multiprocessing.connection import wait
-        waiting = {recv: r for r, (recv, _) in enumerate(pipes)}
-        while waiting and time.time() < deadline:
-            for recv in wait(list(waiting), timeout=1):
-                r = waiting.pop(recv)
-                try:
-                    results[r] = recv.recv()
-                except EOFError:
-                    results[r] = {"ok": False, "error": f"rank {r} died (exit code "
-                                                        f"{procs[r].exitcode})"}
-                if not results[r]["ok"] and "out of memory" in results[r]["error"]:
-                    waiting = {}  # the trial is over: its other ranks only wait for this one
+        results = _collect(pipes, procs, time.time() + 120 + 4 * args.timeout)
     finally:
         for p in procs:
             p.kill()
@@ -3091,6 +3079,24 @@ def _trial(args, stage, layers):
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
                          f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
     return {**out, "psi": psi, "layers": layers}
+
+
+def _collect(pipes, procs, deadline):
+    """{rank: its report} from the trial's pipes, until every rank has reported, one has run out
+    of memory (its trial is over: the others only wait for it) or the deadline passes. Several
+    ranks may report at once (wait() returns all that are ready): every one is read."""
+    from multiprocessing.connection import wait
+    results, waiting, over = {}, {recv: r for r, (recv, _) in enumerate(pipes)}, False
+    while waiting and not over and time.time() < deadline:
+        for recv in wait(list(waiting), timeout=1):
+            r = waiting.pop(recv)
+            try:
+                results[r] = recv.recv()
+            except EOFError:
+                results[r] = {"ok": False, "error": f"rank {r} died (exit code "
+                                                    f"{procs[r].exitcode})"}
+            over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
+    return results
 
 
 def _free_port():
@@ -3349,13 +3355,15 @@ PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Tim
 
 
 def run(main, argv=None):
-    """Run a command-line main: bad input is one line and exit code 2; a run stopped by a loss
+    """Run a command-line main (`def main():`, or `def main(argv):`, given argv): bad input is one line and exit code 2; a run stopped by a loss
     or gradient norm that is not finite, one line and exit code 3; a rank out of memory, one
     line (that rank's) and exit code 4."""
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
+    import inspect  # a script's `def main():` takes nothing; zero.py's own main takes argv
+    takes_argv = bool(inspect.signature(main).parameters)
     try:
-        main(argv)
+        main(argv) if takes_argv else main()
     except (UsageError, Diverged) as e:
         if rank0:
             say(f"{prog}: error: {e}")
