@@ -60,6 +60,9 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_parameters_stepped_apart_checkpoint_exactly; refused by name when unfrozen after wrap:
   test_a_parameter_unfrozen_after_wrap_is_refused_by_name.
 - Sparse gradients are refused by name, at wrap or in backward: test_sparse_gradients_are_refused_by_name.
+- What breaks, and why (mistakes.py): each mistake shows its symptom, by a margin rounding cannot
+  reach, and the right code beside it does not: test_each_mistake_shows_its_symptom_and_the_right_code_does_not;
+  the table, --json, --list and bad input (one line, exit code 2): test_the_mistakes_lab_command_line.
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
@@ -135,6 +138,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mistakes
 import zero
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -542,7 +546,7 @@ def world2(pool, shared, world4):
     damage_copies(shared)  # of the checkpoint world4 wrote, for reshard_read to refuse
     return pool.run(2, ["scenarios", "sometimes", "collectives", "disagree", "reshard_read", "fsdp_scenarios",
                         "small_bench", "fsdp_bad_input", "straight", "cli_errors", "real_code",
-                        "timeline_runs", "abused_ranks", "meta_models", "tasks"], shared)
+                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab"], shared)
 
 
 @pytest.fixture(scope="module")
@@ -1383,6 +1387,95 @@ def test_estimate_reproduces_the_paper():
 
 
 # ----------------------------------------------------------------------------------------------
+# What breaks, and why (mistakes.py): every mistake, run beside the right code at N = 2
+
+def mistakes_lab(rank, world):
+    """Every mistake in quick mode (fewer steps, a hang ended after 1 s), then the command line
+    as torchrun runs it, on two mistakes, with --json."""
+    out = {"results": mistakes.run_lab([], quick=True)}
+    path = os.path.join(os.environ["ZERO_TEST_TMP"], "mistakes.json")
+    out["printed"] = main_printed(mistakes.main, ["--json", path, "no-divide-sgd", "units-out-of-order"])
+    return out
+
+
+def tiny_bytes(stage, kind, world):
+    """The formula's bytes of mistakes.py's model (fp64 AdamW: 8, 8 and 16 bytes a parameter)."""
+    psi = sum(p.numel() for p in mistakes.Tiny().parameters())
+    return zero.memory_formula(stage, psi, world, 8, 8, 16)[kind]
+
+
+ROUNDING = 1e-12  # float64: the right code meets the reference within rounding (1e-16 a step)
+BLOCK = 8 * (mistakes.D * mistakes.H * 2 + mistakes.H + mistakes.D)  # bytes of one block unit
+ROOT = 8 * (mistakes.V * mistakes.D + 2 * mistakes.D + mistakes.D * 2 + 2)  # emb, norm, aux
+
+
+def mistake_symptoms(name, r, world):
+    """(the wrong code shows the symptom, the right code shows it) for one mistake's results."""
+    wrong, right = r["wrong"], r["right"]
+    if name in ("late-reduce-scatter", "no-sync-stage-2"):
+        # wrong: every unit's full gradient at once (stage 1's 8Ψ) on top of the shards; right:
+        # the shards and a few unit buffers in flight (the one filling, two reductions and gloo's
+        # receive buffers at a launch), far below that
+        shards, full = tiny_bytes(2, "grads", world), tiny_bytes(1, "grads", world)
+        trains = r["right_distance"] < ROUNDING and (r["wrong_distance"] < ROUNDING) == (name == "late-reduce-scatter")
+        return wrong >= full + shards and trains, right > shards + 5 * BLOCK or r["right_distance"] > ROUNDING
+    if name == "one-unit":  # the whole model gathered; right: the shards, the root and two blocks
+        shards, full = tiny_bytes(3, "params", world), tiny_bytes(0, "params", world)
+        return (wrong >= full + shards and r["wrong_distance"] < ROUNDING,
+                right > shards + ROOT + 2 * BLOCK + 64 or r["right_distance"] > ROUNDING)
+    if name == "no-regather":
+        return wrong.startswith("RuntimeError: "), not isinstance(right, float)
+    if name == "eval-on-rank-0":
+        return wrong.startswith("hang: ") and "after 1.0 s" in wrong, not isinstance(right, float)
+    if name == "optimizer-before-wrap":  # nothing moved
+        return wrong == 0, right < 1e-3
+    if name == "step-without-gradient":  # the unused head moved; as in torch, not at all
+        return wrong > 1e-4, right != 0
+    if name == "no-divide-adamw":  # visible above rounding, and far below SGD's
+        return wrong > 1000 * ROUNDING, right > ROUNDING
+    if name == "local-clip":  # float32 (zero.py's clipping norm is float32)
+        return wrong > 1e-3, right > 1e-6
+    if name == "same-batch":  # both comparisons: it trained exactly like rank 0's rows alone
+        return wrong > 1e-3 and r["wrong_one"] < ROUNDING, right > ROUNDING or r["right_one"] < 1e-3
+    return wrong > 1e-3, right > ROUNDING  # a distance, a loss gap or the replicas' spread
+
+
+@pytest.mark.parametrize("name", list(mistakes.MISTAKES))
+def test_each_mistake_shows_its_symptom_and_the_right_code_does_not(world2, name):
+    r = world2[0]["mistakes_lab"]["results"][name]
+    shows, right_shows = mistake_symptoms(name, r, 2)
+    assert shows, r
+    assert not right_shows, r
+    if name in ("units-out-of-order", "no-zero-grad"):  # zero.py's guard stops it on every rank
+        for res in world2:
+            assert res["mistakes_lab"]["results"][name]["guard"].startswith("RuntimeError: zero: ")
+    if name == "no-divide-adamw":  # the contrast: almost invisible under AdamW, not under SGD
+        assert r["wrong"] < world2[0]["mistakes_lab"]["results"]["no-divide-sgd"]["wrong"] / 1e4
+
+
+def test_the_mistakes_lab_command_line(world2, shared, refused):
+    printed = world2[0]["mistakes_lab"]["printed"]  # rank 0's; the other rank prints nothing
+    assert world2[1]["mistakes_lab"]["printed"] == ""
+    lines = printed.splitlines()
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    assert any(line.startswith("no-divide-sgd ") for line in lines) and lines[-1].startswith("wall time: ")
+    assert "  with the guard: RuntimeError: zero: ranks communicated different units" in printed
+    rows = json.load(open(os.path.join(shared, "mistakes.json")))
+    assert [row["name"] for row in rows] == ["no-divide-sgd", "units-out-of-order"]
+    assert all({"name", "stages", "measure", "wrong", "right", "why", "where"} <= set(row) for row in rows)
+    assert rows[0]["where"] == "ZeRO1._reduce_grads" and rows[0]["wrong"] > 1e-3 > rows[0]["right"]
+    listed = main_printed(mistakes.main, ["--list"]).splitlines()
+    assert [line.split()[0] for line in listed] == list(mistakes.MISTAKES) and len(listed) >= 12
+    assert all(len(line) <= 100 for line in listed)
+    for argv, message in [(["nope"], "no mistake named 'nope'"), (["--nope"], "--nope"),
+                          (["--json", os.path.join(shared, "none", "x.json")], "no directory")]:
+        error, out = main_refused(mistakes.main, argv)
+        assert error and message in error and "\n" not in error and out == "", (argv, error)
+    code, out, err, message = refused["mistakes.py"]  # end to end: one line, exit code 2
+    assert code == 2 and err == f"mistakes.py: error: {message}: `python mistakes.py --list` names them\n", err
+
+
+# ----------------------------------------------------------------------------------------------
 # The command line, end to end
 
 MODEL = ["--n-layer", "2", "--d-model", "16", "--seq-len", "16"]  # the demo GPT, tiny
@@ -1469,7 +1562,8 @@ def refused(tmp_path_factory):
     runs = {"argument": (["zero.py", *BAD[0]], "argument --stage"),
             # found once the process group exists and the model is built
             "after setup": (["zero.py", *SMALL, "--init-from", missing], f"--init-from {missing}"),
-            "fsdp_demo.py": (["fsdp_demo.py", "--stage", "1", "--bf16"], "--bf16")}
+            "fsdp_demo.py": (["fsdp_demo.py", "--stage", "1", "--bf16"], "--bf16"),
+            "mistakes.py": (["mistakes.py", "no-such-mistake"], "no mistake named 'no-such-mistake'")}
     procs = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=ENV, cwd=HERE) for name, (args, _) in runs.items()}
     done = {}

@@ -1,0 +1,767 @@
+"""
+mistakes.py: what breaks, and why. The classic mistakes of data-parallel and ZeRO training, each
+run beside the right code on the same data, with the same seed, in the same launch, and measured
+against single-process training on the global batch.
+
+    torchrun --nproc_per_node=4 mistakes.py              # every mistake: one table
+    torchrun --nproc_per_node=4 mistakes.py no-divide-sgd local-clip   # these, with detail
+    python mistakes.py --list                            # the names, stages, one line each
+    torchrun --nproc_per_node=4 mistakes.py --json mistakes.json       # the results as data
+
+Each mistake is a diff of the right code, short enough to read. A mistake in the algorithm is a
+subclass of one of zero.py's stage classes that overrides one method, the wrong line marked
+`# WRONG`, exactly as the stages themselves are diffs of each other (class LateReduceScatter(
+zero.ZeRO2) reduces in step() what ZeRO2 reduces during backward). A mistake in the training
+loop is the few lines of the loop that differ, the wrong one marked the same way. Nothing is
+simulated: every number below comes from running the wrong code and the right code.
+
+How to read a row:
+
+    mistake              stage  measured                                  wrong        right
+    no-divide-sgd        1      loss gap to the reference, max            2.41e-01     1.1e-16
+      why: the reduction sums the N ranks' gradients: that is the gradient of N times the loss,
+           and SGD's step is N times too large from the first step on.
+      right: ZeRO1._reduce_grads
+
+`measured` says what: a loss gap (the global loss of each step against the reference's, the
+largest over the steps), a distance (the largest difference of any parameter from the
+reference's after the last step), the spread of the replicas (the largest difference between
+two ranks' copies of one parameter: 0 when ranks agree), peak model-state bytes (zero.py's own
+Meter, `opt.peak`, next to `zero.memory_formula`), or what happened: an error's first line, or
+a hang, ended after a short timeout. `wrong` is the mistake's number, `right` the right code's,
+on the same data. `right:` names the place in zero.py that gets it right; where a guard of
+zero.py stops the mistake, the row shows both: what the guard says, and what happens without it.
+
+The reference is a plain model stepped by a plain torch optimizer on the concatenation of every
+rank's batch. Everything runs in float64, so that the right code meets the reference to within
+1e-15 and any gap above that is the mistake's; the model is tiny (eight residual blocks, an
+embedding tied to the output head, a second task's head that these steps never use), so that the
+whole lab runs in well under a minute on two cores.
+
+The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
+that gets each of these right, and its docstring the lesson on what each stage does.
+"""
+import contextlib, dataclasses, functools, json, os, textwrap, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+
+# ----------------------------------------------------------------------------------------------
+# The model, the data and the loop every mistake runs (and the reference runs too)
+
+V, D, H, ROWS, T = 16, 8, 16, 2, 6  # vocab, width, hidden, rows per rank, tokens per row
+BLOCKS = 8                          # the units: many small ones, as in a real model
+STEPS = 6                           # optimizer steps per run (the tests run fewer: quick)
+DTYPE = torch.float64               # rounding at 1e-16: a gap above that is the mistake's
+HANG_S = 3                          # seconds before a collective no other rank makes is a hang
+SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+OPTIMIZERS = {"sgd": SGD, "adamw": ADAMW}
+
+
+class Tiny(nn.Module):
+    """A tiny language model: embedding, BLOCKS residual blocks (the units: default_units finds
+    them), a final norm and an output head tied to the embedding (one parameter, used twice). The
+    second task's head `aux` is never used in these steps: it gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D))
+                                    for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+        self.aux = nn.Linear(D, 2)
+
+    def forward(self, x):  # x: [rows, T] token ids -> logits [rows, T, V]
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def build(seed=0, dtype=DTYPE):
+    torch.manual_seed(seed)  # every rank the same weights (wrap() broadcasts rank 0's anyway)
+    return Tiny().to(dtype)
+
+
+def batch(step, world, micro=0, masked=False):
+    """The global batch of (step, micro-batch): N*ROWS rows; rank r reads rows(r) of them, the
+    reference all of them. masked: rows of different lengths (targets -100 past a row's end),
+    rank r's rows shorter the higher r is: ranks hold different numbers of tokens."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(V, (world * ROWS, T), generator=g)
+    y = (3 * x + 1) % V  # a target the model can learn
+    if masked:
+        length = T - torch.arange(world * ROWS) // ROWS % T  # rank r: T - r tokens a row
+        y[torch.arange(T) >= length[:, None]] = -100
+    return x, y
+
+
+def rows(rank):
+    return slice(rank * ROWS, (rank + 1) * ROWS)
+
+
+def loss_of(model, x, y):  # the mean over the tokens given (targets -100 do not count)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows)
+    t = t.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def train(model, opt, steps, clip=None, accum=1):
+    """The right loop (zero.py's interface), for every mistake in the algorithm: this rank's
+    rows, backward (all micro-batches but the last under no_sync()), clip, step, zero_grad.
+    Returns the loss of the global batch at each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            x, y = batch(step, world, micro)
+            with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                loss = loss_of(model, x[rows(rank)], y[rows(rank)]) / accum
+                loss.backward()
+            total += mean_over_ranks(loss)
+        if clip:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@functools.lru_cache(maxsize=None)
+def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=None,
+              dtype=DTYPE):
+    """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
+    model, a plain torch optimizer. Returns (the loss at each step, {name: parameter})."""
+    model = build(dtype=dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = OPTIMIZERS[optimizer](params)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            x, y = batch(step, world, micro, masked)
+            keep = rows(only) if only is not None else slice(None)
+            loss = loss_of(model, x[keep], y[keep]) / accum
+            loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# What is measured
+
+def loss_gap(losses, ref_losses):
+    return max(abs(a - b) for a, b in zip(losses, ref_losses))
+
+
+def distance(opt, ref_params, names=None):
+    """The largest difference of any parameter (full_state_dict: the values rank 0 holds, or at
+    stage 3 the gathered shards) from the reference's."""
+    full = opt.full_state_dict()
+    return max((full[n] - ref_params[n]).abs().max().item() for n in names or ref_params)
+
+
+def spread(model):
+    """The replicas: the largest difference between two ranks' copies of one parameter, the
+    values each rank computes with (stages 0-2 keep whole parameters). 0: the ranks agree."""
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()])
+    every = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype)
+    dist.all_gather_into_tensor(every, mine)
+    every = every.view(dist.get_world_size(), -1)
+    return (every.max(0).values - every.min(0).values).max().item()
+
+
+def formula(stage, psi, kind):  # fp64 AdamW: 8 bytes a parameter, 8 a gradient, 16 of m and v
+    return zero.memory_formula(stage, psi, dist.get_world_size(), 8, 8, 16)[kind]
+
+
+def first_line(e):
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The mistakes. Each is registered with what it measures, at which stage it runs here (and at
+# which it applies), why it breaks (at most three lines) and the place in zero.py that gets it
+# right. Its function runs the wrong code and the right code and returns both numbers.
+
+@dataclasses.dataclass
+class Mistake:
+    name: str
+    stages: str   # where the mistake applies
+    stage: int    # the stage it runs at here
+    measure: str  # what the numbers are
+    why: str
+    where: str    # the zero.py function or method that gets it right
+    run: callable
+
+
+MISTAKES = {}
+
+
+def mistake(name, stages, stage, measure, where, why):
+    def register(fn):
+        MISTAKES[name] = Mistake(name, stages, stage, measure, why, where, fn)
+        return fn
+    return register
+
+
+# --- the reduction: divide by N ---------------------------------------------------------------
+
+class NoDivide(zero.ZeRO1):
+    """ZeRO1 whose step forgets to divide the reduced gradient by N."""
+
+    def _reduce_grads(self):
+        if not self._reduced:
+            zero.DataParallel._reduce_grads(self)  # reduce-scatter: the shard holds the sum
+            # WRONG: ZeRO1._reduce_grads divides each unit.grad_shard by N here; this steps the sum
+
+
+def no_divide(optimizer, steps):
+    ref_losses, ref = reference(optimizer, dist.get_world_size(), steps)
+    out = {}
+    for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
+        model = build()
+        opt = cls(model, OPTIMIZERS[optimizer])  # as zero.wrap(model, 1, ...) builds it
+        losses = train(model, opt, steps)
+        out[name] = loss_gap(losses, ref_losses)
+        out[name + "_distance"] = distance(opt, ref)
+    out["detail"] = [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
+                     f"right {out['right_distance']:.2e}"]
+    return out
+
+
+@mistake("no-divide-sgd", "0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads",
+         "The reduction sums the N ranks' gradients: the gradient of N times the loss. SGD's "
+         "step\nis N times too large from the first step on.")
+def no_divide_sgd(quick):
+    return no_divide("sgd", 3 if quick else STEPS)
+
+
+@mistake("no-divide-adamw", "0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads",
+         "The same missing division, under AdamW: Adam divides m by sqrt(v), and the scale N\n"
+         "cancels but for epsilon (and clipping). Almost invisible; still wrong.")
+def no_divide_adamw(quick):
+    return no_divide("adamw", 3 if quick else STEPS)
+
+
+# --- stage 2: when the gradient is reduced ----------------------------------------------------
+
+class LateReduceScatter(zero.ZeRO2):
+    """ZeRO2 that reduce-scatters in step(), after backward has finished."""
+
+    def _reduce_in_backward(self):
+        return False  # WRONG: ZeRO2 returns True: reduce each unit as soon as its gradient is whole
+
+
+class NoSyncKeepsGradients(zero.ZeRO2):
+    """ZeRO2 that honours no_sync() as stage 1 does: no reduction until the last micro-batch."""
+
+    def _reduce_in_backward(self):
+        return self._sync  # WRONG: under no_sync() the full [N*S] gradient stays until later
+
+
+def peak_grads(cls, steps, accum, optimizer="adamw"):
+    model = build()
+    opt = cls(model, OPTIMIZERS[optimizer])
+    train(model, opt, steps, accum=accum)
+    return opt, opt.peak["grads"]
+
+
+@mistake("late-reduce-scatter", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
+         "Reduce-scattered after backward, every unit's full gradient is held at once: the peak\n"
+         "is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.")
+def late_reduce_scatter(quick):
+    steps = 2 if quick else 3
+    _, ref = reference("adamw", dist.get_world_size(), steps)
+    wrong, out_wrong = peak_grads(LateReduceScatter, steps, 1)
+    right, out_right = peak_grads(zero.ZeRO2, steps, 1)
+    psi = right.psi
+    return {"wrong": out_wrong, "right": out_right,
+            "wrong_distance": distance(wrong, ref), "right_distance": distance(right, ref),
+            "note": grads_formula(psi),
+            "detail": [f"trains right all the same: distance to the reference "
+                       f"{distance(wrong, ref):.1e} (right {distance(right, ref):.1e})"]}
+
+
+def grads_formula(psi):
+    return (f"formula, grads: stage 2 {formula(2, psi, 'grads'):,.0f} B (+ the units in flight),"
+            f" stage 1 {formula(1, psi, 'grads'):,.0f} B")
+
+
+@mistake("no-sync-stage-2", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
+         "no_sync() defers the reduction, so the full gradient lives until the last micro-batch:\n"
+         "stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to\n"
+         "add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward.")
+def no_sync_stage_2(quick):
+    steps = 2 if quick else 3
+    _, ref = reference("adamw", dist.get_world_size(), steps, accum=2)
+    wrong, peak_wrong = peak_grads(NoSyncKeepsGradients, steps, 2)
+    right, peak_right = peak_grads(zero.ZeRO2, steps, 2)
+    d_wrong, d_right = distance(wrong, ref), distance(right, ref)
+    return {"wrong": peak_wrong, "right": peak_right, "wrong_distance": d_wrong,
+            "right_distance": d_right, "note": grads_formula(right.psi),
+            "detail": [f"distance to the reference (2 micro-batches a step): wrong {d_wrong:.2e},"
+                       f" right {d_right:.1e}"]}
+
+
+# --- stage 3: gather what computes ------------------------------------------------------------
+
+class NoRegather(zero.ZeRO3):
+    """ZeRO3 that frees a unit after forward and does not gather it again for backward."""
+
+    def _pre_backward(self, units, call, grad):
+        # WRONG: ZeRO3 gathers here (self._gather(u) for u in units); backward then reads freed
+        # parameters: autograd saved views of the unit's storage, which _free shrank to 0 bytes
+        self.prefetcher.backward_started(call)
+
+
+@mistake("no-regather", "3", 3, "the first step: its loss, or the error", "ZeRO3._pre_backward",
+         "Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not\n"
+         "gathered again, they are memory given back: an error, or worse, garbage.")
+def no_regather(quick):
+    out = {}
+    for name, cls in [("wrong", NoRegather), ("right", zero.ZeRO3)]:
+        model = build()
+        opt = cls(model, ADAMW)
+        try:
+            out[name] = train(model, opt, 1)[0]  # the loss of the first step, if it gets there
+        except RuntimeError as e:
+            out[name] = first_line(e)
+    return out
+
+
+@mistake("one-unit", "3", 3, "peak parameter bytes", "zero.default_units",
+         "With units=[] the whole model is one unit: gathered whole before the first module\n"
+         "computes. It trains right, and each rank's peak holds every parameter: stage 0's.")
+def one_unit(quick):
+    steps = 2
+    _, ref = reference("adamw", dist.get_world_size(), steps)
+    out, opts = {}, {}
+    for name, units in [("wrong", []), ("right", None)]:
+        model = build()
+        opts[name] = opt = zero.wrap(model, 3, ADAMW, units=units)  # WRONG: units=[]
+        train(model, opt, steps)
+        out[name] = opt.peak["params"]
+        out[name + "_distance"] = distance(opt, ref)
+    psi = opts["right"].psi
+    out["note"] = (f"formula, params: stage 3 {formula(3, psi, 'params'):,.0f} B (+ the units "
+                   f"gathered), stage 0 {formula(0, psi, 'params'):,.0f} B")
+    out["detail"] = [f"trains right all the same: distance to the reference "
+                     f"{out['wrong_distance']:.1e} (right {out['right_distance']:.1e})"]
+    return out
+
+
+# --- replicas: every rank must compute with the same weights ----------------------------------
+
+@contextlib.contextmanager
+def without_broadcast():
+    # wrap()'s broadcast of rank 0's weights is a line of DataParallel.__init__, not a method of
+    # its own: to run wrap() without it, dist.broadcast does nothing while wrap() runs.
+    saved = dist.broadcast
+    dist.broadcast = lambda tensor, src=0, group=None, async_op=False: None
+    try:
+        yield
+    finally:
+        dist.broadcast = saved
+
+
+@mistake("different-seeds", "0-3", 0, "replicas' spread after the steps", "DataParallel.__init__",
+         "Each rank built its own random weights. The mean gradient moves every replica alike,\n"
+         "so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the\n"
+         "step would hide it, every rank then holding a patchwork of the ranks' inits).")
+def different_seeds(quick):
+    out = {}
+    for name in ("wrong", "right"):
+        model = build(seed=dist.get_rank())  # the mistake: a seed per rank
+        with without_broadcast() if name == "wrong" else contextlib.nullcontext():
+            opt = zero.wrap(model, 0, ADAMW)  # wrong: wrap() without its broadcast
+        train(model, opt, 2 if quick else STEPS)
+        out[name] = spread(model)
+    out["guard"] = "wrap() broadcasts rank 0's weights: with it, ranks' seeds do not matter"
+    return out
+
+
+class NoGatherAfterStep(zero.ZeRO1):
+    """ZeRO1 that steps its shard and never all-gathers the updated shards."""
+
+    def _gather_params(self):
+        pass  # WRONG: ZeRO1 all-gathers every unit's updated shards into every rank's parameters
+
+
+@mistake("no-gather-after-step", "1-2", 1, "replicas' spread after the steps",
+         "ZeRO1._gather_params",
+         "Each rank updated only its own shard; the rest of its parameters are stale and differ\n"
+         "from rank to rank. The replicas drift apart, and every forward computes with a mix.")
+def no_gather_after_step(quick):
+    steps = 3 if quick else STEPS
+    ref_losses, ref = reference("adamw", dist.get_world_size(), steps)
+    out = {}
+    for name, cls in [("wrong", NoGatherAfterStep), ("right", zero.ZeRO1)]:
+        model = build()
+        opt = cls(model, ADAMW)
+        losses = train(model, opt, steps)
+        out[name] = spread(model)
+        out[name + "_gap"] = loss_gap(losses, ref_losses)
+    out["detail"] = [f"loss gap to the reference, max: wrong {out['wrong_gap']:.2e}, right "
+                     f"{out['right_gap']:.1e}"]
+    return out
+
+
+# --- the step: clipping, and parameters without a gradient ------------------------------------
+
+class LocalClip(zero.ZeRO1):
+    """ZeRO1 that clips each rank's shard by that shard's own norm."""
+
+    def _sum_of_squares(self):
+        squares = zero.DataParallel._sum_of_squares(self)  # this rank's [S] shards' squares
+        # WRONG: ZeRO1 adds up every rank's: dist.all_reduce(squares, group=self.shard_group)
+        return squares
+
+
+@mistake("local-clip", "1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares",
+         "The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and\n"
+         "differs: each shard is scaled by its own factor, the update points somewhere else.")
+def local_clip(quick):
+    steps = 3 if quick else STEPS
+    # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
+    _, ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32)
+    out = {}
+    for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]:
+        model = build(dtype=torch.float32)
+        opt = cls(model, SGD)
+        train(model, opt, steps, clip=0.05)
+        out[name] = distance(opt, ref)
+    return out
+
+
+class StepsWithoutGradient(zero.DataParallel):
+    """DataParallel that steps every parameter, as if one without a gradient had a zero one."""
+
+    def _reduce_grads(self):
+        if not self._reduced:
+            super()._reduce_grads()  # with_grad: the parameters some rank got a gradient for
+            self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
+
+
+@mistake("step-without-gradient", "0-3", 0, "how far the unused head moved",
+         "zero.check_step_agrees",
+         "A zero gradient is not no gradient: AdamW still decays the weight (and a past step's\n"
+         "m and v still move it). torch skips a parameter whose .grad is None; so does zero.py.")
+def step_without_gradient(quick):
+    steps = 2 if quick else STEPS
+    out = {}
+    for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]:
+        model = build()
+        before = model.aux.weight.detach().clone()
+        opt = cls(model, ADAMW)
+        train(model, opt, steps)
+        out[name] = (opt.full_state_dict()["aux.weight"] - before).abs().max().item()
+    _, ref = reference("adamw", dist.get_world_size(), steps)
+    out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
+                     f"{(ref['aux.weight'] - build().aux.weight).abs().max().item():.1e}"]
+    return out
+
+
+# --- the data: each rank its own rows, each token its weight ----------------------------------
+
+@mistake("same-batch", "0-3", 1, "distance to the global-batch reference", "zero.get_batch",
+         "Every rank read rank 0's rows: N times the compute for one rank's batch. It trains\n"
+         "exactly like one process on that batch, not like the global batch.")
+def same_batch(quick):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 3 if quick else STEPS
+    _, ref = reference("sgd", world, steps)
+    _, ref_one = reference("sgd", world, steps, only=0)  # one process on rank 0's rows alone
+    out = {}
+    for name in ("wrong", "right"):
+        model = build()
+        opt = zero.wrap(model, 1, SGD)
+        for step in range(steps):
+            x, y = batch(step, world)
+            mine = rows(0) if name == "wrong" else rows(rank)  # WRONG: rows(0): rank 0's rows
+            loss_of(model, x[mine], y[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = distance(opt, ref)
+        out[name + "_one"] = distance(opt, ref_one)
+    out["detail"] = [f"distance to one process on rank 0's rows alone: wrong "
+                     f"{out['wrong_one']:.1e}, right {out['right_one']:.2e}"]
+    return out
+
+
+@mistake("token-mean-per-rank", "0-3", 1, "distance to the reference", "zero.DataParallel._land",
+         "Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short\n"
+         "batch more than one of a long batch. Sum the tokens' losses; divide by the global count.")
+def token_mean_per_rank(quick):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 3 if quick else STEPS
+    _, ref = reference("sgd", world, steps, masked=True)  # the mean over every token
+    out = {}
+    for name in ("wrong", "right"):
+        model = build()
+        opt = zero.wrap(model, 1, SGD)
+        for step in range(steps):
+            x, y = batch(step, world, masked=True)
+            x, y = x[rows(rank)], y[rows(rank)]
+            if name == "wrong":
+                loss = loss_of(model, x, y)  # WRONG: the mean over this rank's tokens
+            else:  # the sum over this rank's tokens / the global count; x N: zero.py divides by N
+                tokens = torch.tensor(float((y != -100).sum()), dtype=DTYPE)
+                dist.all_reduce(tokens)
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                                       reduction="sum") * world / tokens
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = distance(opt, ref)
+    counts = [int((batch(0, world, masked=True)[1][rows(r)] != -100).sum()) for r in range(world)]
+    out["detail"] = [f"tokens per rank: {counts}"]
+    return out
+
+
+@mistake("bf16-reduce", "0-3", 2, "distance to the reference", "zero.for_reduction",
+         "Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3\n"
+         "digits before it is summed, and the sum again: every step is off. Reduce in fp32.")
+def bf16_reduce(quick):
+    steps = 3 if quick else STEPS
+    _, ref = reference("adamw", dist.get_world_size(), steps)
+    out = {}
+    for name, dtype in [("wrong", torch.bfloat16), ("right", None)]:
+        model = build()
+        opt = zero.wrap(model, 2, ADAMW, reduce_dtype=dtype)  # WRONG: reduce_dtype=torch.bfloat16
+        train(model, opt, steps)
+        out[name] = distance(opt, ref)
+    return out
+
+
+@mistake("optimizer-before-wrap", "1-3", 2, "how far the parameters moved", "zero.wrap",
+         "A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is\n"
+         "None (each unit's gradient is reduced into this rank's shard). Nothing trains.")
+def optimizer_before_wrap(quick):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 2 if quick else 3
+    out = {}
+    for name in ("wrong", "right"):
+        model = build()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if name == "wrong":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)  # WRONG: before wrap()
+        opt = zero.wrap(model, 2, ADAMW)
+        if name == "right":
+            optimizer = opt  # the optimizer wrap() returns: it steps the shards
+        for step in range(steps):
+            x, y = batch(step, world)
+            loss_of(model, x[rows(rank)], y[rows(rank)]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        full = opt.full_state_dict()
+        out[name] = max((full[n] - before[n]).abs().max().item() for n in before)
+    return out
+
+
+# --- ranks out of step: a collective no other rank makes, units reduced in another order -------
+
+@mistake("eval-on-rank-0", "3", 3, "an evaluation forward", "ZeRO3._pre_forward",
+         "At stage 3 a forward is collectives: each unit is all-gathered before it computes. On\n"
+         "rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates.")
+def eval_on_rank_0(quick):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batch(99, world)
+    out = {}
+    for name in ("wrong", "right"):
+        model = build()
+        opt = zero.wrap(model, 3, ADAMW)
+        train(model, opt, 1)
+        # A group of its own with a short timeout (made by every rank, as new_group must be), so
+        # that the wait ends: zero.py's stage 3 runs its collectives on opt.shard_group.
+        group = dist.new_group(timeout=timedelta(seconds=1 if quick else HANG_S))
+        opt.shard_group = group
+        start = time.perf_counter()
+        try:
+            if name == "right" or rank == 0:  # WRONG: `if rank == 0:` evaluates on rank 0 alone
+                with torch.no_grad():
+                    out[name] = mean_over_ranks(loss_of(model, x, y)) if name == "right" else \
+                        loss_of(model, x, y).item()
+        except RuntimeError as e:  # gloo's message starts with its source file: keep the end
+            said = str(e).strip().splitlines()[0].split("] ")[-1]
+            out[name] = (f"hang: rank 0 waited in an all-gather no other rank made, ended by the "
+                         f"group's timeout after {time.perf_counter() - start:.1f} s ({said})")
+        out.setdefault(name, "(rank 0 evaluated alone)")
+        dist.barrier()  # every rank back in step, on the default group; `group` is abandoned
+        # (the wrong run's ZeRO3 is left half-gathered on rank 0: not used again)
+    return out
+
+
+class OtherOrder(zero.DataParallel):
+    """DataParallel (reducing in step(): overlap=False) whose odd ranks reduce the first two units
+    the other way round. Both are blocks of one size: the all-reduces pair without an error."""
+
+    def _reduce_grads(self):
+        units = self.units
+        if self.rank % 2:
+            self.units = [units[1], units[0], *units[2:]]  # WRONG: another order on odd ranks
+        try:
+            super()._reduce_grads()
+        finally:
+            self.units = units
+
+
+@mistake("units-out-of-order", "0-3", 0, "replicas' spread (no check)", "zero.check_step_agrees",
+         "Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective\n"
+         "fails. zero.py fingerprints what each rank reduced, and stops the step if they differ.")
+def units_out_of_order(quick):
+    steps = 2 if quick else 3
+    out = {}
+    for name, cls, check in [("guard", OtherOrder, True), ("wrong", OtherOrder, False),
+                             ("right", zero.DataParallel, True)]:
+        model = build()
+        opt = cls(model, ADAMW, overlap=False, check_steps=check)  # wrong: check_steps=False
+        try:
+            train(model, opt, steps)
+            out[name] = spread(model)
+        except RuntimeError as e:
+            out[name] = first_line(e)
+    return out
+
+
+class NoBackwardAfterStepCheck(zero.ZeRO1):
+    """ZeRO1 without its refusal of a backward after step() (before zero_grad())."""
+
+    def _on_grad(self, unit, p):
+        self._reduced = False  # WRONG: clears the flag that makes this an error; backward goes on
+        super()._on_grad(unit, p)
+
+
+@mistake("no-zero-grad", "0-3", 1, "distance to the reference (no check)", "DataParallel._on_grad",
+         "Without zero_grad() each backward adds to the last step's averaged gradient, which\n"
+         "keeps pushing: every past step is applied again. zero.py refuses that backward.")
+def no_zero_grad(quick):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = 3 if quick else STEPS
+    _, ref = reference("sgd", world, steps)
+    out = {}
+    for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
+                      ("right", zero.ZeRO1)]:
+        model = build()
+        opt = cls(model, SGD)
+        try:
+            for step in range(steps):
+                x, y = batch(step, world)
+                loss_of(model, x[rows(rank)], y[rows(rank)]).backward()
+                opt.step()
+                if name == "right":
+                    opt.zero_grad()  # WRONG: the other two leave this line out
+            out[name] = distance(opt, ref)
+        except RuntimeError as e:
+            out[name] = first_line(e)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The table, --list, --json and the command line
+
+def shown(v):
+    """A number for the table: bytes as integers, anything else in 3 digits; a line: its kind."""
+    if isinstance(v, str):
+        return "hang" if v.startswith("hang") else "error"
+    return f"{v:,} B" if isinstance(v, int) else f"{v:.2e}" if v else "0"
+
+
+def row(m, res, detail):
+    """A mistake's lines in the table: the numbers, then (within 100 columns) an error's or a
+    hang's line, what the guard says, a formula, why, and where zero.py gets it right."""
+    lines = [f"{m.name:<22} {m.stage:>5}  {m.measure:<37} {shown(res['wrong']):>12} "
+             f"{shown(res['right']):>12}"]
+    said = [(key, res[key]) for key in ("wrong", "right") if isinstance(res[key], str)]
+    said += [("with the guard", res["guard"])] if "guard" in res else []
+    said += [("note", res["note"])] if "note" in res else []
+    for key, text in said:
+        lines += textwrap.wrap(text, 98, initial_indent=f"  {key}: ", subsequent_indent="    ")
+    why = m.why.splitlines()
+    lines += [f"  why: {why[0]}"] + [f"       {w}" for w in why[1:]]
+    lines += [f"  right: {m.where}"]
+    if detail:
+        lines += [f"  {d}" for d in res.get("detail", [])]
+    return lines
+
+
+HEADER = (f"{'mistake':<22} {'stage':>5}  {'measured':<37} {'wrong':>12} {'right':>12}\n"
+          + "-" * 93)
+
+
+def parser():
+    p = zero.Parser(description="The classic mistakes of data-parallel and ZeRO training, each "
+                                "run beside the right code and measured.")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="mistakes to run, with detail (default: every one, one table)")
+    p.add_argument("--list", action="store_true", help="print the names and stages, and exit")
+    p.add_argument("--json", metavar="FILE", help="also write the results to FILE (default: none)")
+    return p
+
+
+def run_lab(names, quick=False):
+    """Every rank runs the named mistakes (default all), in turn: {name: result}."""
+    torch.set_num_threads(1)
+    results = {}
+    for name in names or MISTAKES:
+        results[name] = MISTAKES[name].run(quick)
+        dist.barrier()  # every rank done with this one (the hang's group, abandoned)
+    return results
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    unknown = [n for n in args.names if n not in MISTAKES]
+    if unknown:
+        raise zero.UsageError(f"no mistake named {unknown[0]!r}: `python mistakes.py --list` "
+                              "names them")
+    if args.list:
+        for m in MISTAKES.values():
+            print(f"{m.name:<22} stages {m.stages:<4} (runs at {m.stage}): {m.measure}")
+        return
+    if args.json:
+        where = os.path.dirname(args.json) or "."
+        if os.path.isdir(args.json) or not os.path.isdir(where):
+            raise zero.UsageError(f"--json {args.json}: " + (
+                "is a directory" if os.path.isdir(args.json) else f"no directory {where}"))
+    start = time.perf_counter()
+    rank, world, _ = zero.setup(backend="gloo", device="cpu")
+    results = run_lab(args.names)
+    if rank != 0:
+        return
+    print(f"{len(results)} mistakes at N = {world} ranks (gloo, CPU, float64), each beside the "
+          "right code;\nreference: one process, plain torch, on the global batch\n")
+    print(HEADER)
+    for name, res in results.items():
+        print("\n".join(row(MISTAKES[name], res, detail=bool(args.names))))
+    print(f"\nwall time: {time.perf_counter() - start:.1f} s")
+    if args.json:
+        rows = [dict(name=n, stages=MISTAKES[n].stages, stage=MISTAKES[n].stage,
+                     measure=MISTAKES[n].measure, wrong=r["wrong"], right=r["right"],
+                     why=" ".join(MISTAKES[n].why.splitlines()), where=MISTAKES[n].where,
+                     **({"guard": r["guard"]} if "guard" in r else {}),
+                     detail=r.get("detail", [])) for n, r in results.items()]
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    zero.run(main)
