@@ -172,11 +172,11 @@ def loss_gap(losses, ref_losses):
     return max(abs(a - b) for a, b in zip(losses, ref_losses))
 
 
-def distance(opt, ref_params, names=None):
-    """The largest difference of any parameter (full_state_dict: the values rank 0 holds, or at
-    stage 3 the gathered shards) from the reference's."""
+def distance(opt, ref_params):
+    """The largest difference of any parameter from the reference's (full_state_dict: the values
+    this rank holds at stages 0-2, the shards gathered at stage 3)."""
     full = opt.full_state_dict()
-    return max((full[n] - ref_params[n]).abs().max().item() for n in names or ref_params)
+    return max((full[n] - ref_params[n]).abs().max().item() for n in ref_params)
 
 
 def spread(model):
@@ -231,7 +231,8 @@ class NoDivide(zero.ZeRO1):
     def _reduce_grads(self):
         if not self._reduced:
             zero.DataParallel._reduce_grads(self)  # reduce-scatter: the shard holds the sum
-            # WRONG: ZeRO1._reduce_grads divides each unit.grad_shard by N here; this steps the sum
+            for unit in self.units:
+                pass  # WRONG: ZeRO1 divides here, unit.grad_shard.div_(self.N): the sum -> the mean
 
 
 def no_divide(optimizer, steps):
@@ -240,11 +241,15 @@ def no_divide(optimizer, steps):
     for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
         model = build()
         opt = cls(model, OPTIMIZERS[optimizer])  # as zero.wrap(model, 1, ...) builds it
-        losses = train(model, opt, steps)
+        out[name + "_losses"] = losses = train(model, opt, steps)
         out[name] = loss_gap(losses, ref_losses)
         out[name + "_distance"] = distance(opt, ref)
-    out["detail"] = [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
-                     f"right {out['right_distance']:.2e}"]
+    out["detail"] = [f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
+                     for label, values in [("reference", ref_losses),
+                                           ("wrong", out["wrong_losses"]),
+                                           ("right", out["right_losses"])]]
+    out["detail"] += [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
+                      f"right {out['right_distance']:.2e}"]
     return out
 
 
@@ -348,7 +353,7 @@ def no_regather(quick):
     return out
 
 
-@mistake("one-unit", "3", 3, "peak parameter bytes", "zero.default_units",
+@mistake("one-unit", "3", 3, "peak parameter bytes", "zero.default_units (the blocks)",
          "With units=[] the whole model is one unit: gathered whole before the first module\n"
          "computes. It trains right, and each rank's peak holds every parameter: stage 0's.")
 def one_unit(quick):
@@ -383,7 +388,8 @@ def without_broadcast():
         dist.broadcast = saved
 
 
-@mistake("different-seeds", "0-3", 0, "replicas' spread after the steps", "DataParallel.__init__",
+@mistake("different-seeds", "0-3", 0, "replicas' spread after the steps",
+         "DataParallel.__init__ (its broadcast)",
          "Each rank built its own random weights. The mean gradient moves every replica alike,\n"
          "so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the\n"
          "step would hide it, every rank then holding a patchwork of the ranks' inits).")
@@ -462,7 +468,7 @@ class StepsWithoutGradient(zero.DataParallel):
 
 
 @mistake("step-without-gradient", "0-3", 0, "how far the unused head moved",
-         "zero.check_step_agrees",
+         "zero.check_step_agrees (which parameters got a gradient on some rank)",
          "A zero gradient is not no gradient: AdamW still decays the weight (and a past step's\n"
          "m and v still move it). torch skips a parameter whose .grad is None; so does zero.py.")
 def step_without_gradient(quick):
@@ -482,7 +488,8 @@ def step_without_gradient(quick):
 
 # --- the data: each rank its own rows, each token its weight ----------------------------------
 
-@mistake("same-batch", "0-3", 1, "distance to the global-batch reference", "zero.get_batch",
+@mistake("same-batch", "0-3", 1, "distance to the global-batch reference",
+         "zero.get_batch (rank r reads rows r*B to (r+1)*B of the global batch)",
          "Every rank read rank 0's rows: N times the compute for one rank's batch. It trains\n"
          "exactly like one process on that batch, not like the global batch.")
 def same_batch(quick):
@@ -507,7 +514,8 @@ def same_batch(quick):
     return out
 
 
-@mistake("token-mean-per-rank", "0-3", 1, "distance to the reference", "zero.DataParallel._land",
+@mistake("token-mean-per-rank", "0-3", 1, "distance to the reference",
+         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)",
          "Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short\n"
          "batch more than one of a long batch. Sum the tokens' losses; divide by the global count.")
 def token_mean_per_rank(quick):
@@ -537,7 +545,8 @@ def token_mean_per_rank(quick):
     return out
 
 
-@mistake("bf16-reduce", "0-3", 2, "distance to the reference", "zero.for_reduction",
+@mistake("bf16-reduce", "0-3", 2, "distance to the reference",
+         "zero.for_reduction (reduce_dtype: fp32 by default in mixed precision)",
          "Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3\n"
          "digits before it is summed, and the sum again: every step is off. Reduce in fp32.")
 def bf16_reduce(quick):
@@ -552,7 +561,8 @@ def bf16_reduce(quick):
     return out
 
 
-@mistake("optimizer-before-wrap", "1-3", 2, "how far the parameters moved", "zero.wrap",
+@mistake("optimizer-before-wrap", "1-3", 2, "how far the parameters moved",
+         "zero.wrap (returns the optimizer that steps the shards)",
          "A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is\n"
          "None (each unit's gradient is reduced into this rank's shard). Nothing trains.")
 def optimizer_before_wrap(quick):
@@ -747,8 +757,9 @@ def main(argv=None):
     results = run_lab(args.names)
     if rank != 0:
         return
-    print(f"{len(results)} mistakes at N = {world} ranks (gloo, CPU, float64), each beside the "
-          "right code;\nreference: one process, plain torch, on the global batch\n")
+    what = f"{len(results)} mistake{'s' * (len(results) > 1)}"
+    print(f"{what} at N = {world} ranks (gloo, CPU, float64), each beside the right code;\n"
+          "reference: one process, plain torch, on the global batch\n")
     print(HEADER)
     for name, res in results.items():
         print("\n".join(row(MISTAKES[name], res, detail=bool(args.names))))
