@@ -99,32 +99,30 @@ def setup(backend=None, device=None, timeout_s=120):
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
 # units=[] everything is one unit, the root. Default: default_units(model) (Part II).
-# Hybrid sharding (shard_size=G, Part II): the same with G shards, each held by N/G ranks.
 
 class Unit:
-    def __init__(self, modules, params, rank, world, G):
+    def __init__(self, modules, params, rank, N, world):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world) * world // G   # ceil(numel/N) * N / G: N parts, cut in G
-        self.flat = torch.zeros(G * self.S, dtype=params[0].dtype, device=params[0].device)
-        self.offset, o = {}, 0  # (a model on the meta device: all of this is shapes only)
+        self.S = -(-numel // world) * world // N  # ceil(numel / N) (world = N: hybrid_groups)
+        self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
+        self.offset, o = {}, 0
         for p in params:
             self.flat[o:o + p.numel()].copy_(p.detach().flatten())
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
-        self.mine = slice(rank % G * self.S, (rank % G + 1) * self.S)  # the elements it owns
-        self.shard = self.flat[self.mine]  # [S] this rank's part of the parameters (stage 0: all)
-        self.master = self.shard    # what the optimizer steps: the shard, or its fp32 copy
-        self.grad = None            # [N*S] the full gradient, while this rank holds one
-        self.grad_shard = None      # the gradient of the shard: a sum over ranks, then / N
-        self.arrived = 0            # parameters whose gradient arrived in this backward
-        self.got = set()            # its parameters given a gradient here since zero_grad()
-        self.unreduced = False      # holds local gradients that no reduction has summed yet
-        self.cleared = True         # holds no gradient since zero_grad() (p.grad is None)
-        self.divide = "landing"     # where the sum over ranks is divided by N: _division
-        self.users, self.gathered_at = 0, 0  # stage 3: modules computing with it; steps then
-        self.prefetch = None        # stage 3: its all-gather, launched ahead and in flight
-        self.index = None           # its place in the model's list of units (make_units)
+        self.my_slice = slice(rank % N * self.S, (rank % N + 1) * self.S)  # shard r, of rank r
+        self.shard = self.flat[self.my_slice]  # [S] this rank's part of the parameters
+        self.stepped = self.my_slice  # the elements this rank's optimizer steps (stage 0: all)
+        self.master = self.shard      # what the optimizer steps: the shard, or its fp32 copy
+        self.grad = None              # [N*S] the full gradient, while this rank holds one
+        self.grad_shard = None        # [S] the gradient of what it steps: the sum over ranks / N
+        # Bookkeeping, for Part II: what backward has done so far, and stage 3's gathers.
+        self.arrived, self.received = 0, set()  # its parameters given a gradient in this
+        self.unreduced = False   # backward; since zero_grad(). Local gradients no sum holds yet
+        self.divided = False     # this backward's gradients were divided by N as copied in
+        self.users, self.gathered_at, self.prefetch = 0, 0, None  # stage 3 (ZeRO3._gather)
+        self.index = None        # its place in the model's list of units (make_units)
 
     @property
     def gathered(self):  # stage 3 frees the flat buffer's storage while the unit is not used
@@ -155,7 +153,10 @@ def all_gather(out, shard, async_op=False, group=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage 0: data parallelism, the baseline every stage is measured against
+# Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
+# the same at every stage: backward -> _on_grad copies it into its unit's flat gradient ->
+# _reduce_unit sums the unit over ranks (_reduce) -> _land: / N, the mean -> step() hands each
+# optimizer tensor its slice of it -> optimizer.step() -> _gather_params (stages 1-3).
 
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
@@ -166,56 +167,38 @@ class DataParallel:
     stage = 0
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
 
-    def __init__(self, model, optimizer, units=None, param_dtype=None, reduce_dtype=None,
-                 overlap=True, bucket_bytes=0, check_steps=True, shard_size=None, init=None,
-                 device=None):
-        self.model, self.overlap, self.bucket_bytes = model, overlap, bucket_bytes
-        self.check_steps = check_steps  # compare what ranks communicated, every step (checks)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.G = shard_size or self.world  # the ranks a unit is sharded over (hybrid: G < N)
-        self.mixed_precision = param_dtype is not None  # compute in param_dtype, fp32 masters
-        self.reduce_dtype = reduce_dtype or (torch.float32 if self.mixed_precision else None)
-        self.units = make_units(self, model, units)  # (Part II: which modules, buckets)
-        self.device = build_device(self, device)  # the model's, or where a meta model is built
-        self.psi = sum(p.numel() for u in self.units for p in u.params)  # Ψ: trainable params
-        self.in_flight, self.meter = InFlight(self), Meter(self)  # (speed; measurement)
-        check_ranks_agree(self, param_dtype)  # every rank has the same model and settings
-        self.shard_group, self.replica_group = hybrid_groups(self)  # G = N: None, None
-        # Unit by unit. A model built on the meta device (no memory yet) gets each unit
-        # allocated and initialized by materialize() (Part II) just before it is cut here, so
-        # at stage 3 no rank ever holds the whole model, not even while building it. (A model
-        # built normally: its units, as they are.)
-        for unit in materialize(self, init):
+    def __init__(self, model, optimizer, units=None, param_dtype=None, init=None, **settings):
+        self.model, self.rank = model, dist.get_rank()
+        # wrap()'s settings, the units (default_units: one per block), every rank checked to have
+        # the same (Part II). self.N: the ranks a unit is cut over, gradients averaged by: all
+        # of them (with hybrid sharding, G ranks: see hybrid_groups).
+        self.units = configure(self, model, units, param_dtype, settings)
+        for unit in materialize(self, init):  # (a meta-device model: allocated unit by unit)
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
-            full = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
+            fp32 = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
             self._shard(unit)
-            unit.master = full[unit.owned].clone() if self.mixed_precision else unit.shard
+            unit.master = fp32[unit.stepped].clone() if self.mixed_precision else unit.shard
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
-        for _, t in replicated(model):  # frozen parameters and buffers: whole, rank 0's too
-            dist.broadcast(t.data, src=0)
-        if self.mixed_precision:
-            cast_frozen_and_inputs(model, self.unit_modules, param_dtype)  # (mixed precision)
-        # The optimizer sees flat tensors only: this rank's masters, cut where parameters end
-        # (each piece lies within one parameter, which is what lets step() skip a parameter as
-        # torch does) and into cache-sized pieces. Exact for element-wise optimizers (SGD, Adam,
-        # AdamW, Adagrad...): each element's update depends on its own gradient and state only.
-        # NOT for those that look at whole tensors (LAMB, LARS, Shampoo, Muon: a piece may hold
-        # a slice of one), nor are per-parameter groups (no weight decay on biases) possible.
+        replicate_the_rest(self, param_dtype)  # frozen parameters, buffers: rank 0's, whole
+        # The optimizer steps flat pieces of this rank's masters, each within one parameter.
+        # Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update
+        # depends on its own gradient and state only. NOT for those that look at whole tensors
+        # (LAMB, LARS, Shampoo, Muon: a piece may hold a slice of one), nor per-parameter groups.
         self.optimizer = optimizer(optimizer_pieces(self))  # (speed 4: the pieces)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
     def _shard(self, unit):  # stage 0 shards nothing: this rank steps all, keeps the gradient
-        unit.owned = slice(0, unit.flat.numel())  # the elements of the unit this rank steps
+        unit.stepped = slice(0, unit.flat.numel())
         unit.shard = unit.flat
         unit.grad = unit.grad_shard = torch.zeros_like(unit.flat)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward calls inside only add up local gradients, as DDP's no_sync(): one reduction
-        for k micro-batches. Stages 2 and 3 reduce-scatter in every backward regardless (ZeRO2)."""
+        """Backward calls inside only add up local gradients, as DDP's: one reduction for k
+        micro-batches. (Stages 2 and 3 reduce-scatter in every backward regardless: ZeRO2.)"""
         self._sync = False
         try:
             yield
@@ -223,47 +206,31 @@ class DataParallel:
             self._sync = True
 
     def _on_grad(self, unit, p):
-        if self._reduced:  # adding local gradients to averaged ones would silently be wrong
-            raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
-                               "call zero_grad() first")
-        if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
-            raise sparse_gradient_error(self, p)  # (checks)
-        self._queue_end_of_backward()  # a parameter unused in this backward never reports
-        if unit.arrived == 0:  # the unit's first gradient in this backward
-            unit.divide, unit.cleared = self._division(unit), False
-        # Move p's gradient into the unit's flat gradient: one buffer, one collective per unit.
-        # Stages 0 and 1 keep p.grad as a view into it (DDP's gradient_as_bucket_view), where the
-        # next backward adds in place. A new tensor (p.grad was None, or create_graph=True
-        # accumulated out of place) is p's whole gradient so far: copy its values.
+        check_gradient(self, p)  # not sparse, not after step() (checks)
+        queue_end_of_backward(self)  # (a parameter unused in this backward never reports)
+        if unit.arrived == 0:  # the unit's first gradient in this backward: / N now? (speed 2)
+            unit.divided = divides_while_copying(self, unit)
+        # Into the unit's flat gradient: one buffer, one collective per unit. Stages 0 and 1 keep
+        # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
+        # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
         if p.grad.data_ptr() != view.data_ptr():
-            if unit.divide == "copy":
-                torch.mul(p.grad.detach(), 1 / self.world, out=view)
+            if unit.divided:
+                torch.mul(p.grad.detach(), 1 / self.N, out=view)
             else:
                 view.copy_(p.grad.detach())
         p.grad = view if self.keeps_full_grads else None
         unit.unreduced, unit.arrived = True, unit.arrived + 1
-        unit.got.add(p)  # step() steps only what got a gradient on some rank (check_step_agrees)
+        unit.received.add(p)  # step() steps only what got a gradient on some rank
         if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
             self._reduce_unit(unit)
-
-    def _queue_end_of_backward(self):
-        if not self._end_queued:  # _end_of_backward() runs when this backward is done
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._end_queued = True
-
-    def _division(self, unit):
-        # The one place that decides where this backward's gradient is divided by N (the sum
-        # over ranks -> the mean): when each all-reduce lands, or while copying (speed, below).
-        return "copy" if divides_while_copying(self, unit) else "landing"
 
     def _reduce_in_backward(self):
         return self.overlap and self._sync  # stages 0 and 1 reduce in backward only to overlap
 
     def _end_of_backward(self):
-        # Runs once when autograd finishes a backward. Units of which some parameter got no
-        # gradient (unused) are reduced here, in unit order. Ranks that use different parameters
-        # pair collectives of different sizes: an error, or a hang until the timeout (as DDP).
+        # Once autograd finishes a backward: units with a parameter unused (no gradient) are
+        # reduced here, in unit order. (Ranks that use different units pair different sizes.)
         self._end_queued = False
         for unit in self.units:
             if unit.unreduced and self._reduce_in_backward():
@@ -271,32 +238,22 @@ class DataParallel:
             unit.arrived = 0
         self.in_flight.land()  # the end of backward is where overlap waits
 
-    def _zero_missing(self, unit):
-        # Stages 0 and 1: a parameter with no gradient since zero_grad() (unused) still has last
-        # step's values in the buffer: zero them. Another rank may have one (the mean counts this
-        # rank's as zero; if none has, step() does not step it), so p.grad becomes the view like
-        # any other: reduced, it holds that mean, which a later backward adds to, not replaces.
-        if self.keeps_full_grads:
-            for p in unit.params:
-                if p.grad is None:
-                    p.grad = unit.view(unit.grad, p).zero_()
-
     def _reduce_unit(self, unit):
-        self._zero_missing(unit)
+        zero_unused_grads(self, unit)  # stages 0, 1: a parameter without one counts 0 (checks)
         g = for_reduction(self, unit.grad)  # the buffer, or its copy in reduce_dtype
         unit.unreduced = False
         # Launched asynchronously; lands in _land now, or later with overlap (speed: InFlight)
         self.in_flight.launch(unit, *self._reduce(unit, g))
 
     def _reduce(self, unit, g):  # -> (the collective's work, where its result lands)
+        # meter.sent: the bytes sent (measurement), and the fingerprint check_step_agrees checks
         self.meter.sent("all_reduce", g, unit)
         return dist.all_reduce(g, async_op=True), g  # [N*S] in place: the sum over ranks
 
     def _land(self, unit, g):
-        # Every rank now holds the sum over ranks. Later backward calls (accumulation without
-        # no_sync) add local gradients to its mean, and reducing again is still right: every
-        # rank adds the same mean, so (N·mean + sum of new) / N = mean + the new mean (as DDP).
-        unit.grad.copy_(g if unit.divide == "copy" else g.div_(self.world))
+        # Every rank holds the sum over ranks: / N, the mean. Accumulating (without no_sync)
+        # adds to it, and reducing again is still right: (N·mean + sum of new) / N = mean + new.
+        unit.grad.copy_(g if unit.divided else g.div_(self.N))
 
     def _reduce_grads(self):
         # clip_grad_norm_() and step() start here: reduce what backward did not, land the rest
@@ -306,11 +263,10 @@ class DataParallel:
             if unit.unreduced:
                 self._reduce_unit(unit)
             else:
-                self._zero_missing(unit)  # (reduced in backward; or no gradient at all)
+                zero_unused_grads(self, unit)  # (reduced in backward; or no gradient at all)
         self.in_flight.land()
-        # Every rank reduced the same units (checks); and which parameters got a gradient on
-        # some rank since zero_grad(): the others are not stepped, as torch skips .grad None.
-        self.with_grad = check_step_agrees(self)
+        # The ranks reduced the same units (checks); the parameters some rank gave a gradient:
+        self.with_grad = check_step_agrees(self)  # the others are not stepped (.grad None)
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -319,8 +275,8 @@ class DataParallel:
                             for u in self.units]).sum()
 
     def clip_grad_norm_(self, max_norm):
-        """Scale gradients so that their global L2 norm is at most max_norm, as
-        torch.nn.utils.clip_grad_norm_ does on the unsharded model. Returns the norm before."""
+        """Scale gradients to a global L2 norm of at most max_norm, as torch's clip_grad_norm_
+        on the unsharded model. Returns the norm before."""
         self._reduce_grads()
         norm = self._sum_of_squares().sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # eps added once, to the global norm
@@ -330,31 +286,32 @@ class DataParallel:
 
     def step(self):
         self._reduce_grads()
-        with step_grads(self):  # each piece's .grad (None: not stepped); fp32 (mixed precision)
-            self.optimizer.step()
-        self.meter.event("optimizer step")
+        # The hand-off: the optimizer steps pieces of each unit's master, and a piece's .grad is
+        # the same slice of grad_shard, the mean gradient (fp32 in mixed precision); None for a
+        # parameter no rank gave a gradient: torch's optimizers skip it, values and state.
+        for u in self.units:
+            grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
+            for piece, grad, p in zip(u.pieces, grads, u.owner):
+                piece.grad = grad if p in self.with_grad else None
+        self.optimizer.step()
+        after_step(self)  # mixed precision: the fp32 masters rounded into the shards; .grad
         self.steps += 1
         self._gather_params()
 
-    def _gather_params(self):
-        pass  # stage 0: every rank stepped the whole model, nothing to fetch
+    def _gather_params(self): pass  # stage 0: every rank stepped the whole model, all is here
 
     def zero_grad(self, set_to_none=True):  # (as torch's; the buffers' values do not matter)
         for u in self.units:
             if self.keeps_full_grads:  # as DDP, no pass over the buffer: the next backward's
-                # gradients overwrite it (_on_grad), what none overwrites is zeroed (_zero_missing)
-                for p in u.params:
+                for p in u.params:     # gradients overwrite it, what none does is zeroed
                     p.grad = None
-                u.cleared = True
             else:
                 u.grad_shard.zero_()
             u.unreduced = False
-            u.got.clear()
+            u.received.clear()
         self._reduced = False
 
-    # The rest of the interface, in Part II: bytes held (measurement), this rank's part of a
-    # checkpoint (checkpoints), the full fp32 parameters of the model, and loading a plain
-    # state_dict with each rank reading only the elements it holds (meta-device models).
+    # The rest of the interface, in Part II: measurement, checkpoints, meta-device models.
     def memory_breakdown(self): return self.meter.breakdown()
     def state_dict(self): return checkpoint_part(self)
     def load_state_dict(self, state): load_own_part(self, state)
@@ -376,39 +333,36 @@ class ZeRO1(DataParallel):
 
     def _shard(self, unit):
         super()._shard(unit)                 # full gradient buffer, as in stage 0...
-        unit.owned = unit.mine               # ...but the optimizer steps this rank's [S]
-        unit.shard = unit.flat[unit.mine]
-        unit.grad_shard = unit.grad[unit.mine]  # and its [S] of the gradient: views, no copy
-
-    def _division(self, unit):  # this rank's shard holds a sum over ranks: / N before the step
-        return "step"
+        unit.stepped = unit.my_slice         # ...but the optimizer steps this rank's [S]
+        unit.shard = unit.flat[unit.my_slice]
+        unit.grad_shard = unit.grad[unit.my_slice]  # and its [S] of the gradient: views, no copy
 
     def _reduce(self, unit, g):
         # Half the all-reduce (the other half comes after the step, on the parameters), in
         # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
         self.meter.sent("reduce_scatter", g, unit)
-        work = reduce_scatter(g[unit.mine], g, async_op=True, group=self.shard_group)
-        return across_replicas(self, work, g[unit.mine], unit), g[unit.mine]  # (hybrid sharding)
+        work = reduce_scatter(g[unit.my_slice], g, async_op=True, group=self.shard_group)
+        return across_replicas(self, work, g[unit.my_slice], unit), g[unit.my_slice]
 
-    def _land(self, unit, mine):
+    def _land(self, unit, summed):
         # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer its own
         # local values, which that sum counts: zero them, so a later backward adds only new
-        # ones. Keep the sum: the next reduce-scatter adds to it, _reduce_grads divides by N.
-        # (With hybrid sharding 1/(N/G) of it, and by G: see across_replicas.)
-        unit.grad_shard.copy_(mine)
-        unit.grad[:unit.mine.start].zero_()
-        unit.grad[unit.mine.stop:].zero_()
+        # ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation),
+        # and only this rank holds it there. / N once, in _reduce_grads.
+        unit.grad_shard.copy_(summed)
+        unit.grad[:unit.my_slice.start].zero_()
+        unit.grad[unit.my_slice.stop:].zero_()
 
     def _reduce_grads(self):
         if not self._reduced:
             super()._reduce_grads()
-            for unit in self.units:  # _division: "step", the sum over ranks / N, the mean
-                unit.grad_shard.div_(self.G)  # (G = N; hybrid: N/G is divided by on landing)
+            for unit in self.units:
+                unit.grad_shard.div_(self.N)  # the sum over the N ranks -> the mean
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
-        dist.all_reduce(squares, group=self.shard_group)  # the G shards hold the whole model
-        self.meter.sent("all_reduce", squares, ranks=self.G)
+        dist.all_reduce(squares, group=self.shard_group)  # the N shards hold the whole model
+        self.meter.sent("all_reduce", squares, ranks=self.N)
         return squares
 
     def _gather_params(self):
@@ -437,8 +391,8 @@ class ZeRO2(ZeRO1):
     keeps_full_grads = False  # the [N*S] buffer is freed once reduced: p.grad must not keep it
 
     def _shard(self, unit):
-        unit.owned = unit.mine
-        unit.shard = unit.flat[unit.mine]
+        unit.stepped = unit.my_slice
+        unit.shard = unit.flat[unit.my_slice]
         unit.grad = None                                # allocated per backward, freed when reduced
         unit.grad_shard = torch.zeros_like(unit.shard)  # [S] accumulates over backward calls
 
@@ -456,9 +410,8 @@ class ZeRO2(ZeRO1):
         unit.grad = None  # dropped here; the reduced slice keeps the [N*S] buffer until it lands
         self.meter.event("gradient buffer dropped", unit)  # (or it has landed, and is gone)
 
-    def _land(self, unit, mine):
-        unit.grad_shard.add_(mine)  # the sum over ranks, added up over backward calls; / N later
-        # (hybrid: 1/(N/G) of the sum, then / G: across_replicas)
+    def _land(self, unit, summed):
+        unit.grad_shard.add_(summed)  # the sum over ranks, added up over backward calls; / N later
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,7 +452,7 @@ class ZeRO3(ZeRO2):
         self._free(unit)
 
     def _gather(self, unit, prefetch=False):
-        if not unit.gathered:  # a new block, on the compute stream (on CUDA: see _free)
+        if not unit.gathered:  # a new block, on the compute stream (CUDA streams: Part II)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch,
                                        group=self.shard_group)  # N x [S]; a Work if async
@@ -517,18 +470,8 @@ class ZeRO3(ZeRO2):
         # Gotcha: `p.data = torch.empty(0)` would not free anything while autograd still holds
         # the parameter for backward. Shrinking the storage itself frees the memory under every
         # view and saved tensor at once; _gather re-allocates it and refills it in place, so what
-        # autograd saved sees the gathered values again in backward.
-        # On CUDA, with streams: an all-gather runs after every kernel queued before it (NCCL's
-        # async one on a stream of its own, which first waits for an event recorded on the
-        # compute stream; a blocking one on the compute stream itself; gloo's through host memory,
-        # after such an event too), and its wait() makes the compute stream wait for it: nothing
-        # computes with a unit before it has landed. Freeing needs that wait as well: resize_(0)
-        # hands the memory back to the caching allocator at once, even while the collective's
-        # Work still holds the tensor (which keeps the tensor, not a resized storage's memory).
-        # After the wait, the block goes only to later allocations on the compute stream, where
-        # _gather made it, and what is queued there runs after the kernels that read the old
-        # values (the forward, queued before the free) and after the collective: stream order
-        # makes it safe, with no record_stream.
+        # autograd saved sees the gathered values again in backward. (On a GPU this is safe
+        # with CUDA streams, with no record_stream: see "Stage 3 on CUDA streams", Part II.)
         if unit.prefetch is not None:
             unit.prefetch.wait()
             unit.prefetch = None
@@ -570,7 +513,7 @@ class ZeRO3(ZeRO2):
         # did not save. Its forward hook may never run (non-reentrant checkpointing stops the
         # forward once it has what it needs), so users are not counted: the units stay gathered
         # until their gradient is reduced, as after _pre_backward.
-        self._queue_end_of_backward()  # on this backward, not on a nested one (reentrant)
+        queue_end_of_backward(self)  # on this backward, not on a nested one (reentrant)
         for u in units:
             self._gather(u)
 
@@ -608,24 +551,10 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
          bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
-    default process group and return the optimizer to train it with.
-
-    optimizer: builds a torch optimizer from a list of tensors, e.g.
-    partial(torch.optim.AdamW, lr=1e-3); the torch optimizer itself is `.optimizer` (attach LR
-    schedulers to that). units: the modules communicated as one (stage 3 gathers them one by
-    one); default_units(model). param_dtype: e.g. torch.bfloat16 for mixed precision;
-    reduce_dtype: of the gradient reductions (default float32 in mixed precision). overlap:
-    reduce during backward, prefetch in stage 3. bucket_bytes: stages 0-2 cut the parameters
-    into buckets of this many bytes, walking back from the last parameter, merging small units
-    and splitting large ones at parameter boundaries (0: every unit is its own bucket); stage 3
-    ignores it. check_steps: one 16-byte all-reduce per step that stops ranks that
-    communicated different units before anything is applied (check_step_agrees; the same bytes
-    say whether some parameter got no gradient, which step() then leaves alone). shard_size:
-    G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and replicate over
-    the N/G groups (hybrid_groups; default N). init, device: for a model built under
-    torch.device("meta"), initialized in place one unit at a time on `device` (default: this
-    rank's GPU under NCCL, else the CPU) as model.apply(init) would (default: each module's
-    reset_parameters()); see materialize()."""
+    default process group and return the optimizer to train it with. optimizer: builds a torch
+    optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3). The other
+    arguments (units, mixed precision, speed, checks, hybrid sharding, meta-device models) are
+    described one by one at the top of Part II, "wrap()'s options"."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     if not dist.is_initialized():
@@ -638,6 +567,57 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
 # =================================== PART II: THE ENGINEERING =================================
 # Each section below serves Part I through the calls named there. Python resolves names when a
 # call runs, so a class above may use a function defined here.
+
+# ----------------------------------------------------------------------------------------------
+# wrap()'s options, one by one (configure() puts them on the stage object):
+#   optimizer      builds a torch optimizer from a list of tensors, e.g.
+#                  partial(torch.optim.AdamW, lr=1e-3); the torch optimizer itself is
+#                  `.optimizer` (attach LR schedulers to that).
+#   units          the modules communicated as one (stage 3 gathers them one by one);
+#                  default_units(model).
+#   param_dtype    e.g. torch.bfloat16: compute in it, keep fp32 masters (mixed precision).
+#   reduce_dtype   of the gradient reductions (default float32 in mixed precision).
+#   overlap        reduce during backward, prefetch in stage 3 (speed 1).
+#   bucket_bytes   stages 0-2 cut the parameters into buckets of this many bytes, walking back
+#                  from the last parameter, merging small units and splitting large ones at
+#                  parameter boundaries (speed 3; 0: every unit is its own bucket); stage 3
+#                  ignores it.
+#   check_steps    one 16-byte all-reduce per step that stops ranks that communicated different
+#                  units before anything is applied (check_step_agrees; the same bytes say
+#                  whether some parameter got no gradient, which step() then leaves alone).
+#   shard_size     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and
+#                  replicate over the N/G groups (hybrid_groups; default: all ranks).
+#   init, device   for a model built under torch.device("meta"), initialized in place one unit
+#                  at a time on `device` (default: this rank's GPU under NCCL, else the CPU) as
+#                  model.apply(init) would (default: each module's reset_parameters());
+#                  see materialize().
+
+SETTINGS = dict(reduce_dtype=None, overlap=True, bucket_bytes=0, check_steps=True,
+                shard_size=None, device=None)
+
+
+def configure(zero, model, units, param_dtype, settings):
+    """DataParallel's set-up that is not the algorithm: wrap()'s settings on the object, the
+    units, where the model lives, Ψ, measurement, the checks that every rank has the same model
+    and settings, and hybrid sharding's groups. Returns the units."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"{type(zero).__name__}() got an unexpected keyword argument "
+                        f"{unknown[0]!r}")
+    s = {**SETTINGS, **settings}
+    zero.overlap, zero.bucket_bytes, zero.check_steps = s["overlap"], s["bucket_bytes"], \
+        s["check_steps"]
+    zero.world = dist.get_world_size()
+    zero.N = s["shard_size"] or zero.world  # Part I's N: with hybrid sharding, G (below)
+    zero.mixed_precision = param_dtype is not None
+    zero.reduce_dtype = s["reduce_dtype"] or (torch.float32 if zero.mixed_precision else None)
+    zero.units = make_units(zero, model, units)
+    zero.device = build_device(zero, s["device"])  # the model's, or where a meta model is built
+    zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
+    zero.in_flight, zero.meter = InFlight(zero), Meter(zero)  # (speed; measurement)
+    check_ranks_agree(zero, param_dtype)  # every rank has the same model and settings
+    zero.shard_group, zero.replica_group = hybrid_groups(zero)  # without hybrid: None, None
+    return zero.units
 
 # ----------------------------------------------------------------------------------------------
 # Units: which modules, by default, and the parameters each one holds
@@ -679,10 +659,10 @@ def make_units(zero, model, modules):
     if any(hasattr(p, "_zero_unit") for p in model.parameters()):
         raise ValueError("zero: this model is wrapped already (wrap() changes it in place): "
                          "build a new model to wrap it again")
-    if not (isinstance(zero.G, int) and 0 < zero.G <= zero.world and zero.world % zero.G == 0):
+    if not (isinstance(zero.N, int) and 0 < zero.N <= zero.world and zero.world % zero.N == 0):
         raise ValueError(f"zero: shard_size must divide the world size {zero.world}, "
-                         f"not {zero.G!r}")
-    if zero.stage == 0 and zero.G != zero.world:
+                         f"not {zero.N!r}")
+    if zero.stage == 0 and zero.N != zero.world:
         raise ValueError("zero: shard_size is for stages 1-3 (hybrid sharding); stage 0 shards "
                          "nothing")
     real = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
@@ -710,7 +690,7 @@ def make_units(zero, model, modules):
     for _, params in groups:  # one flat buffer holds one dtype on one device
         if any((p.dtype, p.device) != (params[0].dtype, params[0].device) for p in params):
             raise ValueError("zero: the parameters of one unit must share dtype and device")
-    units = [Unit(mods, params, zero.rank, zero.world, zero.G) for mods, params in groups]
+    units = [Unit(mods, params, zero.rank, zero.N, zero.world) for mods, params in groups]
     for i, unit in enumerate(units):
         unit.index = i
         for p in unit.params:
@@ -756,6 +736,23 @@ def replicated(model):
     Frozen means frozen at wrap(): a unit's parameter frozen later is still the unit's."""
     frozen = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "_zero_unit")]
     return frozen + list(model.named_buffers())
+
+
+def queue_end_of_backward(zero):
+    """Have zero._end_of_backward() run once autograd has finished the backward running now
+    (once per backward: autograd's queue_callback, as DDP does)."""
+    if not zero._end_queued:
+        torch.autograd.Variable._execution_engine.queue_callback(zero._end_of_backward)
+        zero._end_queued = True
+
+
+def replicate_the_rest(zero, param_dtype):
+    """What no unit holds, whole on every rank: rank 0's frozen parameters and buffers (seeds
+    may differ), in param_dtype with mixed precision, as the units compute."""
+    for _, t in replicated(zero.model):
+        dist.broadcast(t.data, src=0)
+    if zero.mixed_precision:
+        cast_frozen_and_inputs(zero.model, zero.unit_modules, param_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -896,7 +893,7 @@ def _materialize_unit(zero, unit):
     unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device=zero.device)
     for p in unit.params:  # each parameter becomes a view of the flat buffer, as in Unit()
         _swap_in(p, _unset(unit.view(unit.flat, p)))
-    unit.shard = unit.master = unit.flat[unit.mine]
+    unit.shard = unit.master = unit.flat[unit.my_slice]
     zero.meter.event("materialized", unit)
 
 
@@ -947,7 +944,7 @@ _GROUPS = {}  # (the default process group, G) -> every rank's groups: new_group
 def hybrid_groups(zero):
     """(this rank's shard group, its replica group). With G = N: the default group, and no
     replicas (None, None). Every rank makes every group, in the same order, once per process."""
-    N, G = zero.world, zero.G
+    N, G = zero.world, zero.N  # (Part I's N is G here)
     if G == N:
         return None, None
     key = (id(dist.distributed_c10d._get_default_group()), G)
@@ -968,7 +965,7 @@ def across_replicas(zero, work, mine, unit):
     times; their R parts add up to it once."""
     if zero.replica_group is None:
         return work
-    R = zero.world // zero.G
+    R = zero.world // zero.N
     zero.meter.sent("all_reduce across groups", mine, unit, ranks=R)
 
     def finish():
@@ -1057,12 +1054,15 @@ class Prefetch:
 
 
 def divides_while_copying(zero, unit):
-    # Speed 2, as DDP: if the buffer holds nothing yet (zero_grad() ran) and is all-reduced in
-    # this backward, divide by N while copying gradients in (the torch.mul in _on_grad). The
-    # all-reduce then sums means, and the separate pass of / N after it, a whole pass over the
-    # gradient, is saved. (Sum of x/N or sum / N: the same bits when N is a power of two, else
-    # within rounding.) Not for a reduction of a copy in reduce_dtype: that divides as it lands.
-    return unit.cleared and zero._reduce_in_backward() and not reduces_a_copy(zero, unit)
+    # Speed 2, as DDP: at stage 0, if the buffer holds nothing yet (no gradient since
+    # zero_grad()) and is all-reduced in this backward, divide by N while copying gradients in
+    # (the torch.mul in _on_grad). The all-reduce then sums means, and the separate pass of / N
+    # after it, a whole pass over the gradient, is saved. (Sum of x/N or sum / N: the same bits
+    # when N is a power of two, else within rounding.) Not for a reduction of a copy in
+    # reduce_dtype: that divides as it lands. Not from stage 1 on: the sum stays a sum until
+    # step() (ZeRO1._land says why).
+    return zero.stage == 0 and not unit.received and zero._reduce_in_backward() and \
+        not reduces_a_copy(zero, unit)
 
 
 def buckets(groups, bucket_bytes):
@@ -1116,7 +1116,7 @@ def optimizer_pieces(zero):
     device = zero.units[0].flat.device
     zero.piece = PIECE.get(device.type, PIECE["cuda"])
     for u in zero.units:
-        u.pieces, u.owner, lo, hi = [], [], u.owned.start, u.owned.stop
+        u.pieces, u.owner, lo, hi = [], [], u.stepped.start, u.stepped.stop
         ends = [u.offset[p] for p in u.params[1:]] + [u.flat.numel()]  # where each one's ends
         for p, end in zip(u.params, ends):
             a, b = max(u.offset[p], lo), min(end, hi)  # p's elements that this rank steps
@@ -1236,26 +1236,17 @@ def reduces_a_copy(zero, unit):  # for_reduction() copies this unit's gradient i
     return zero.reduce_dtype not in (None, unit.flat.dtype)
 
 
-@contextlib.contextmanager
-def step_grads(zero):
-    """Around optimizer.step(): hand each piece its gradient, a view of the gradient shard (in
-    mixed precision, of an fp32 copy of it, for the step only), or None for a piece of a
-    parameter that no rank got a gradient for since zero_grad() (zero.with_grad). torch's
-    optimizers skip a tensor whose .grad is None: its values and its state (Adam's m, v and
-    step count) stay as they were, as plain torch leaves an unused parameter. In mixed
-    precision, round the updated fp32 masters into the param_dtype shards after."""
-    refuse_unfrozen(zero)
-    for u in zero.units:
-        grad = u.grad_shard.to(u.master.dtype)  # no copy unless mixed precision
-        sizes = [piece.numel() for piece in u.pieces]
-        for piece, g, p in zip(u.pieces, grad.split(sizes), u.owner):
-            piece.grad = g if p in zero.with_grad else None
-    yield
+def after_step(zero):
+    """After optimizer.step(): in mixed precision, round the updated fp32 masters into the
+    param_dtype shards the model computes with; and let go of the pieces' .grad (each one a
+    view of the gradient shard, or its fp32 copy in mixed precision, made for the step only).
+    Then what the rank holds is measured (Meter)."""
     for u in zero.units:
         if zero.mixed_precision:
             u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
         for piece in u.pieces:
             piece.grad = None
+    zero.meter.event("optimizer step")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1290,7 +1281,7 @@ class Meter:
         z = self.zero
         code = KINDS.index(kind)  # not hash(kind): str hashes differ from process to process
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
-        n = ranks or (z.G if kind in ("reduce_scatter", "all_gather") else z.world)  # in the ring
+        n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # in the ring
         times = 2 if kind.startswith("all_reduce") else 1
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
@@ -1726,7 +1717,7 @@ def check_ranks_agree(zero, param_dtype):
     # garbage. So the first collective is a small one every rank can make: each of them.
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
-                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.G)
+                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.N)
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
               **{k: _digest(v) for k, v in settings.items()}}
     rows = _all_ranks(list(fields.values()), zero.device)
@@ -1752,14 +1743,15 @@ def check_step_agrees(zero):
     # DDP's find_unused_parameters pays an all-reduce per step. check_steps=False turns it off.
     #
     # torch skips a parameter whose .grad is None; whether one got a gradient is known on each
-    # rank (unit.got), whether any rank got one takes a collective. The check's 16 bytes carry
+    # rank (unit.received), whether any rank got one takes a collective. The check's 16 bytes carry
     # it as one bit: the fingerprint, made even, plus 1 where this rank has a parameter with no
     # gradient. max(trace + bit) + max(-trace) is then 0 or 1 if the traces agree, 2 or more if
     # not. Only if some rank set the bit (a model that leaves parameters unused) does a second
     # all-reduce, of a byte per parameter (MAX: "on any rank"), say which. Over every rank,
     # hybrid sharding too. check_steps=False pays that one every step, and the check nothing.
+    refuse_unfrozen(zero)
     params = [p for u in zero.units for p in u.params]
-    got = [p in u.got for u in zero.units for p in u.params]
+    got = [p in u.received for u in zero.units for p in u.params]
     device, missing = zero.units[0].flat.device, not all(got)
     if zero.world > 1 and zero.check_steps:
         trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
@@ -1777,6 +1769,29 @@ def check_step_agrees(zero):
         got = t.tolist()
     zero.meter.trace = 0
     return {p for p, g in zip(params, got) if g}
+
+
+def check_gradient(zero, p):
+    """Every gradient as it arrives (_on_grad): refused if it comes after step() or
+    clip_grad_norm_() without zero_grad() (adding local gradients to averaged ones would
+    silently be wrong), or if it is sparse."""
+    if zero._reduced:
+        raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
+                           "call zero_grad() first")
+    if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
+        raise sparse_gradient_error(zero, p)
+
+
+def zero_unused_grads(zero, unit):
+    """Stages 0 and 1, before a unit is reduced: a parameter with no gradient since zero_grad()
+    (unused) still has last step's values in its slice of the buffer: zero them. Another rank
+    may have one (the mean counts this rank's as zero; if none has, step() does not step it),
+    so p.grad becomes the view like any other: reduced, it holds that mean, which a later
+    backward adds to, not replaces."""
+    if zero.keeps_full_grads:
+        for p in unit.params:
+            if p.grad is None:
+                p.grad = unit.view(unit.grad, p).zero_()
 
 
 def sparse_gradient_error(zero, p):
@@ -1835,7 +1850,7 @@ def layout(zero):
     of this rank's state_dict() needs to know. Equal on every rank."""
     names = {p: n for n, p in zero.model.named_parameters()}
     u0 = zero.units[0]
-    return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.G, "psi": zero.psi,
+    return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.N, "psi": zero.psi,
             "dtype": {"compute": str(u0.flat.dtype), "master": str(_wide(u0.master).dtype)},
             "units": [[[names[p], list(p.shape)] for p in u.params] for u in zero.units],
             "replicated": {n: list(t.shape) for n, t in replicated(zero.model)}}
@@ -1846,7 +1861,7 @@ def checkpoint_part(zero):
     unit's fp32 master weights and per-element optimizer state, the optimizer scalars (Adam's
     step count) of each parameter it steps, and hyper-parameters, the layout; rank 0 also the
     frozen parameters and buffers."""
-    units, q = [], part_index(zero.rank, zero.world, zero.G)
+    units, q = [], part_index(zero.rank, zero.world, zero.N)
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {piece: zero.optimizer.state.get(piece, {}) for u in zero.units for piece in u.pieces}
     per_element = lambda v, piece: torch.is_tensor(v) and v.shape == piece.shape  # noqa: E731
@@ -1863,7 +1878,7 @@ def checkpoint_part(zero):
                                      for k, v in state[piece].items() if not per_element(v, piece)}
     for u in zero.units:
         S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
-        lo = q * S - u.owned.start  # where part q starts in what this rank steps (stage 0:
+        lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
         # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
 
         def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
@@ -1884,7 +1899,7 @@ def load_own_part(zero, state):
     """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
     Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
     0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
-    q = part_index(zero.rank, zero.world, zero.G)
+    q = part_index(zero.rank, zero.world, zero.N)
     if not isinstance(state, dict) or state.get("rank") != q or \
             state.get("layout") != layout(zero):
         raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of this "
@@ -1894,8 +1909,8 @@ def load_own_part(zero, state):
     if zero.stage == 0 and zero.world > 1:
         parts = _gather_parts(zero, state, None, range(zero.world))
     elif zero.replica_group is not None:  # the other parts of this shard: its replicas wrote them
-        parts = _gather_parts(zero, state, zero.replica_group, range(zero.rank % zero.G,
-                                                                     zero.world, zero.G))
+        parts = _gather_parts(zero, state, zero.replica_group, range(zero.rank % zero.N,
+                                                                     zero.world, zero.N))
     load_parts(zero, parts, state["layout"])
     for _, t in replicated(zero.model):  # only rank 0's part holds them
         dist.broadcast(t.data, src=0)
@@ -1906,8 +1921,8 @@ def _gather_parts(zero, state, group, ranks):
     each one's own; None for the others."""
     parts = [None] * zero.world
     for r in ranks:
-        parts[part_index(r, zero.world, zero.G)] = dict(state, units=[], replicated=None,
-                                                        rank=part_index(r, zero.world, zero.G))
+        parts[part_index(r, zero.world, zero.N)] = dict(state, units=[], replicated=None,
+                                                        rank=part_index(r, zero.world, zero.N))
     if parts[0] is not None:
         parts[0]["replicated"] = state["replicated"] if state["rank"] == 0 else None
     device = zero.units[0].flat.device
@@ -1918,7 +1933,7 @@ def _gather_parts(zero, state, group, ranks):
             all_gather(full, t.to(device), group=group)
             gathered[key] = full.cpu().view(len(ranks), -1)
         for j, r in enumerate(ranks):
-            parts[part_index(r, zero.world, zero.G)]["units"].append({
+            parts[part_index(r, zero.world, zero.N)]["units"].append({
                 "master": gathered["master"][j],
                 "state": {k: v[j] for k, v in gathered.items() if k != "master"}})
     return parts
@@ -1956,7 +1971,7 @@ def load_parts(zero, parts, written):
     state = {}
     with torch.no_grad():
         for u in zero.units:
-            lo = u.owned.start  # this rank's elements of the unit: [lo, lo + numel of master)
+            lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
             values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
                       for k in keys}  # padding 0
             for p in u.params:
@@ -2069,14 +2084,14 @@ def load_full_state_dict(zero, state):
                          f"{problem}")
     with torch.no_grad():
         for u in zero.units:
-            lo, S = u.mine.start, u.mine.stop - u.mine.start
+            lo, S = u.my_slice.start, u.my_slice.stop - u.my_slice.start
             mine = torch.zeros(S, dtype=u.master.dtype, device=zero.device)  # padding 0
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
                 if a < b:  # p has elements in this rank's shard: read just those
                     flat = source[p][1].reshape(-1)  # a view of the (mapped) file's tensor
                     mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
-            if u.owned == u.mine:  # stages 1-3: the master is this rank's shard
+            if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
                 all_gather(u.master, mine, group=zero.shard_group)
@@ -2292,7 +2307,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
     path = os.path.join(root, f"step_{step:08d}")
-    q = part_index(opt.rank, opt.world, opt.G)  # the part this rank writes: its rank, if G = N
+    q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
     name = os.path.join(path, f"rank_{q:05d}.pt")
     manifest_path = os.path.join(path, "manifest.json")
     device = opt.units[0].flat.device
@@ -2321,7 +2336,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     rows = _all_ranks([size, *digest], device)
     error = ""
     if opt.rank == 0:
-        files = {f"rank_{part_index(r, opt.world, opt.G):05d}.pt": [row[0], bytes(row[1:]).hex()]
+        files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
                  for r, row in enumerate(rows)}
         aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
         keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
