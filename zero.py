@@ -38,7 +38,10 @@ waits for its all-gather before it computes.
 
 How to read this file. Part I is the algorithm, complete: set-up, the sharded layout (a Unit),
 the two collectives, one class per stage, each a small diff on the one before it, and wrap().
-Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part II is the
+Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Then see them break:
+mistakes.py runs the classic mistakes (no division by N, a ZeRO-2 that reduces after backward,
+clipping by one shard's norm...), each a one-method subclass of a stage here, beside the right
+code, and measures the damage (README, "What breaks, and why"). Part II is the
 engineering, each piece in a section of its own that Part I calls by name: speed (each
 speed-up a switch, to measure it), mixed precision, measurement, checks, checkpoints, then the
 demo model, training loop, report and command line. The stages share one interface:
@@ -1051,6 +1054,19 @@ class Prefetch:
         if self.zero.overlap and self.order and 0 <= call < len(self.order):
             for u in self.order[call]:
                 self.zero._gather(u, prefetch=True)
+
+
+# Stage 3 on CUDA streams: why ZeRO3._free and _gather are safe with no record_stream. An
+# all-gather runs after every kernel queued before it (NCCL's async one on a stream of its own,
+# which first waits for an event recorded on the compute stream; a blocking one on the compute
+# stream itself; gloo's through host memory, after such an event too), and its wait() makes the
+# compute stream wait for it: nothing computes with a unit before it has landed. Freeing needs
+# that wait as well: resize_(0) hands the memory back to the caching allocator at once, even
+# while the collective's Work still holds the tensor (which keeps the tensor, not a resized
+# storage's memory). After the wait, the block goes only to later allocations on the compute
+# stream, where _gather made it, and what is queued there runs after the kernels that read the
+# old values (the forward, queued before the free) and after the collective: stream order makes
+# it safe.
 
 
 def divides_while_copying(zero, unit):
