@@ -41,7 +41,7 @@ whole lab runs in well under a minute on two cores.
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import contextlib, dataclasses, functools, json, os, textwrap, time
+import contextlib, dataclasses, functools, io, json, os, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -468,7 +468,7 @@ class StepsWithoutGradient(zero.DataParallel):
 
 
 @mistake("step-without-gradient", "0-3", 0, "how far the unused head moved",
-         "zero.check_step_agrees (which parameters got a gradient on some rank)",
+         "DataParallel.step (.grad None where no rank gave a gradient: check_step_agrees)",
          "A zero gradient is not no gradient: AdamW still decays the weight (and a past step's\n"
          "m and v still move it). torch skips a parameter whose .grad is None; so does zero.py.")
 def step_without_gradient(quick):
@@ -584,6 +584,37 @@ def optimizer_before_wrap(quick):
             optimizer.zero_grad()
         full = opt.full_state_dict()
         out[name] = max((full[n] - before[n]).abs().max().item() for n in before)
+    return out
+
+
+@mistake("state-dict-at-stage-3", "3", 3, "the saved weights, loaded back",
+         "zero.guard_sharded_parameters; opt.full_state_dict()",
+         "Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.\n"
+         "torch.save writes the file all the same, and only loading it fails. zero.py refuses the\n"
+         "read; opt.full_state_dict() gathers the shards, zero.save_checkpoint saves them.")
+def state_dict_at_stage_3(quick):
+    out = {}
+    for name in ("guard", "wrong", "right"):
+        model = build()
+        opt = zero.wrap(model, 3, ADAMW)
+        train(model, opt, 1)
+        full, saved = opt.full_state_dict(), None  # {name: tensor}: the shards gathered
+        if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
+            for p in model.parameters():
+                p.__class__ = nn.Parameter
+        file = io.BytesIO()
+        try:
+            if name == "right":
+                torch.save(full, file)
+            else:
+                torch.save(model.state_dict(), file)  # WRONG: the model's own, at stage 3
+            saved = file.tell()
+            file.seek(0)
+            loaded = torch.load(file)
+            out[name] = max((loaded[n] - full[n]).abs().max().item() for n in full)
+        except RuntimeError as e:
+            out[name] = (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
+                         "") + first_line(e)
     return out
 
 

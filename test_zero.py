@@ -1427,6 +1427,8 @@ def mistake_symptoms(name, r, world):
         return wrong.startswith("RuntimeError: "), not isinstance(right, float)
     if name == "eval-on-rank-0":
         return wrong.startswith("hang: ") and "after 1.0 s" in wrong, not isinstance(right, float)
+    if name == "state-dict-at-stage-3":  # a file written, which only loading finds empty
+        return wrong.startswith("torch.save wrote ") and "; torch.load: " in wrong, right != 0
     if name == "optimizer-before-wrap":  # nothing moved
         return wrong == 0, right < 1e-3
     if name == "step-without-gradient":  # the unused head moved; as in torch, not at all
@@ -1446,7 +1448,7 @@ def test_each_mistake_shows_its_symptom_and_the_right_code_does_not(world2, name
     shows, right_shows = mistake_symptoms(name, r, 2)
     assert shows, r
     assert not right_shows, r
-    if name in ("units-out-of-order", "no-zero-grad"):  # zero.py's guard stops it on every rank
+    if name in ("units-out-of-order", "no-zero-grad", "state-dict-at-stage-3"):  # zero.py's guard stops it
         for res in world2:
             assert res["mistakes_lab"]["results"][name]["guard"].startswith("RuntimeError: zero: ")
     if name == "no-divide-adamw":  # the contrast: almost invisible under AdamW, not under SGD
