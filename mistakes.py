@@ -15,28 +15,35 @@ zero.ZeRO2) reduces in step() what ZeRO2 reduces during backward). A mistake in 
 loop is the few lines of the loop that differ, the wrong one marked the same way. Nothing is
 simulated: every number below comes from running the wrong code and the right code.
 
-How to read a row:
+How to read a row (from a run at N = 4):
 
-    mistake              stage  measured                                  wrong        right
-    no-divide-sgd        1      loss gap to the reference, max            2.41e-01     1.1e-16
-      why: the reduction sums the N ranks' gradients: that is the gradient of N times the loss,
-           and SGD's step is N times too large from the first step on.
-      right: ZeRO1._reduce_grads
+    mistake                stage  measured                                     wrong        right
+    late-reduce-scatter        2  peak gradient bytes                       28,520 B     15,080 B
+      note: formula, grads: stage 2 4,804 B (+ the units in flight), stage 1 19,216 B
+      why: Reduce-scattered after backward, every unit's full gradient is held at once: the peak
+           is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.
+      right: ZeRO2._reduce_in_backward
 
 `measured` says what: a loss gap (the global loss of each step against the reference's, the
 largest over the steps), a distance (the largest difference of any parameter from the
 reference's after the last step), the spread of the replicas (the largest difference between
 two ranks' copies of one parameter: 0 when ranks agree), peak model-state bytes (zero.py's own
-Meter, `opt.peak`, next to `zero.memory_formula`), or what happened: an error's first line, or
-a hang, ended after a short timeout. `wrong` is the mistake's number, `right` the right code's,
-on the same data. `right:` names the place in zero.py that gets it right; where a guard of
-zero.py stops the mistake, the row shows both: what the guard says, and what happens without it.
+Meter, `opt.peak`, with `zero.memory_formula` on the note line), or what happened: an error's
+first line, or a hang, ended by a short timeout. `wrong` is the mistake's number, `right` the
+right code's, on the same data. `right:` names the place in zero.py that gets it right. Where a
+guard of zero.py stops the mistake, the row shows both: what the guard says (`with the guard:`)
+and, in the numbers, what happens without it. Named on the command line, a mistake also prints
+its detail (the losses step by step, the second comparison, the distance of a run that only
+costs memory).
 
 The reference is a plain model stepped by a plain torch optimizer on the concatenation of every
-rank's batch. Everything runs in float64, so that the right code meets the reference to within
-1e-15 and any gap above that is the mistake's; the model is tiny (eight residual blocks, an
-embedding tied to the output head, a second task's head that these steps never use), so that the
-whole lab runs in well under a minute on two cores.
+rank's batch. Everything runs in float64 (the clipping row in float32: zero.py takes the norm in
+float32), so that the right code meets the reference to within rounding, about 1e-15, and any
+gap above that is the mistake's. The model is tiny (eight residual blocks, an embedding tied to
+the output head, a second task's head that these steps never use), so that the whole lab runs
+in well under a minute on two cores. A hang never hangs the lab: the collectives that would wait
+for ever run on a process group of their own with a timeout of a few seconds, which ends the
+wait with an error; the group is then abandoned and every rank meets again at a barrier.
 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
@@ -184,7 +191,7 @@ def spread(model):
     values each rank computes with (stages 0-2 keep whole parameters). 0: the ranks agree."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
     every = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype)
-    dist.all_gather_into_tensor(every, mine)
+    zero.all_gather(every, mine)  # [N * numel]: every rank's copy
     every = every.view(dist.get_world_size(), -1)
     return (every.max(0).values - every.min(0).values).max().item()
 
@@ -376,18 +383,6 @@ def one_unit(quick):
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
 
-@contextlib.contextmanager
-def without_broadcast():
-    # wrap()'s broadcast of rank 0's weights is a line of DataParallel.__init__, not a method of
-    # its own: to run wrap() without it, dist.broadcast does nothing while wrap() runs.
-    saved = dist.broadcast
-    dist.broadcast = lambda tensor, src=0, group=None, async_op=False: None
-    try:
-        yield
-    finally:
-        dist.broadcast = saved
-
-
 @mistake("different-seeds", "0-3", 0, "replicas' spread after the steps",
          "DataParallel.__init__ (its broadcast)",
          "Each rank built its own random weights. The mean gradient moves every replica alike,\n"
@@ -397,8 +392,15 @@ def different_seeds(quick):
     out = {}
     for name in ("wrong", "right"):
         model = build(seed=dist.get_rank())  # the mistake: a seed per rank
-        with without_broadcast() if name == "wrong" else contextlib.nullcontext():
-            opt = zero.wrap(model, 0, ADAMW)  # wrong: wrap() without its broadcast
+        own = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = zero.wrap(model, 0, ADAMW)  # broadcasts rank 0's weights to every rank
+        if name == "wrong":
+            # The broadcast is a line of DataParallel.__init__, not a method to override: wrap()
+            # without it would leave each rank its own weights, which this puts back in place
+            # (at stage 0 a parameter is a view of its unit's flat buffer, what the step steps).
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(own[n])  # WRONG: every rank its own random weights
         train(model, opt, 2 if quick else STEPS)
         out[name] = spread(model)
     out["guard"] = "wrap() broadcasts rank 0's weights: with it, ranks' seeds do not matter"
