@@ -102,12 +102,14 @@ def setup(backend=None, device=None, timeout_s=120):
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
 # units=[] everything is one unit, the root. Default: default_units(model) (Part II).
+# (Hybrid sharding: N shards of a unit over each group of N ranks, the groups replicas of each
+# other; the padding is to a multiple of the world size, for checkpoints: see hybrid_groups.)
 
 class Unit:
     def __init__(self, modules, params, rank, N, world):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world) * world // N  # ceil(numel / N) (world = N: hybrid_groups)
+        self.S = -(-numel // world) * world // N  # ceil(numel / N) (world: see above)
         self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
@@ -120,9 +122,10 @@ class Unit:
         self.master = self.shard      # what the optimizer steps: the shard, or its fp32 copy
         self.grad = None              # [N*S] the full gradient, while this rank holds one
         self.grad_shard = None        # [S] the gradient of what it steps: the sum over ranks / N
-        # Bookkeeping, for Part II: what backward has done so far, and stage 3's gathers.
-        self.arrived, self.received = 0, set()  # its parameters given a gradient in this
-        self.unreduced = False   # backward; since zero_grad(). Local gradients no sum holds yet
+        # Bookkeeping: what backward has done so far, and stage 3's gathers.
+        self.arrived = 0         # its parameters given a gradient in this backward
+        self.received = set()    # ... and those given one since zero_grad()
+        self.unreduced = False   # it holds local gradients that no reduction has summed yet
         self.divided = False     # this backward's gradients were divided by N as copied in
         self.users, self.gathered_at, self.prefetch = 0, 0, None  # stage 3 (ZeRO3._gather)
         self.index = None        # its place in the model's list of units (make_units)
@@ -145,21 +148,24 @@ def reduce_scatter(out, x, async_op=False, group=None):
     Only out is defined afterwards: the rest of x may have changed. (group: its ranks only.)"""
     if _gloo_cpu(x):  # gloo's own is slow on CPU: the same bytes another way (Part II, speed)
         return _gloo_reduce_scatter(out, x, async_op, group)
-    return dist.reduce_scatter_tensor(out, x, async_op=async_op, group=group)
+    with renamed_quietly():  # (torch 2.13 renamed it reduce_scatter_single, and warns)
+        return dist.reduce_scatter_tensor(out, x, async_op=async_op, group=group)
 
 
 def all_gather(out, shard, async_op=False, group=None):
     """out [N*S] = every rank's shard [S], in rank order. shard may be this rank's slice of out."""
     if _gloo_cpu(out):
         return _gloo_all_gather(out, shard, async_op, group)
-    return dist.all_gather_into_tensor(out, shard, async_op=async_op, group=group)
+    with renamed_quietly():  # (torch 2.13 renamed it all_gather_single, and warns)
+        return dist.all_gather_into_tensor(out, shard, async_op=async_op, group=group)
 
 
 # ----------------------------------------------------------------------------------------------
 # Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
 # the same at every stage: backward -> _on_grad copies it into its unit's flat gradient ->
-# _reduce_unit sums the unit over ranks (_reduce) -> _land: / N, the mean -> step() hands each
-# optimizer tensor its slice of it -> optimizer.step() -> _gather_params (stages 1-3).
+# _reduce_unit sums the unit over ranks (_reduce) -> / N, the mean (stage 0: _land; stages 1-3:
+# _reduce_grads) -> step() hands each optimizer tensor its slice of it -> optimizer.step() ->
+# _gather_params (stages 1-3).
 
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
@@ -210,8 +216,8 @@ class DataParallel:
 
     def _on_grad(self, unit, p):
         check_gradient(self, p)  # not sparse, not after step() (checks)
-        queue_end_of_backward(self)  # (a parameter unused in this backward never reports)
-        if unit.arrived == 0:  # the unit's first gradient in this backward: / N now? (speed 2)
+        queue_end_of_backward(self)  # autograd's queue_callback: _end_of_backward, below
+        if unit.arrived == 0:  # its first gradient in this backward: / N now? (stage 0, speed 2)
             unit.divided = divides_while_copying(self, unit)
         # Into the unit's flat gradient: one buffer, one collective per unit. Stages 0 and 1 keep
         # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
@@ -290,8 +296,8 @@ class DataParallel:
     def step(self):
         self._reduce_grads()
         # The hand-off: the optimizer steps pieces of each unit's master, and a piece's .grad is
-        # the same slice of grad_shard, the mean gradient (fp32 in mixed precision); None for a
-        # parameter no rank gave a gradient: torch's optimizers skip it, values and state.
+        # the same slice of grad_shard, the mean gradient (in mixed precision an fp32 copy); None
+        # for a parameter no rank gave a gradient: torch's optimizers skip it, values and state.
         for u in self.units:
             grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
             for piece, grad, p in zip(u.pieces, grads, u.owner):
@@ -361,6 +367,7 @@ class ZeRO1(DataParallel):
             super()._reduce_grads()
             for unit in self.units:
                 unit.grad_shard.div_(self.N)  # the sum over the N ranks -> the mean
+                # (with hybrid sharding, across_replicas kept 1/(world/N) of the sum over all)
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
@@ -393,7 +400,7 @@ class ZeRO2(ZeRO1):
     stage = 2
     keeps_full_grads = False  # the [N*S] buffer is freed once reduced: p.grad must not keep it
 
-    def _shard(self, unit):
+    def _shard(self, unit):  # as ZeRO1's, but no [N*S] gradient buffer from step to step
         unit.stepped = unit.my_slice
         unit.shard = unit.flat[unit.my_slice]
         unit.grad = None                                # allocated per backward, freed when reduced
@@ -425,8 +432,8 @@ class ZeRO3(ZeRO2):
     the unit right before its module computes in forward and frees it right after; it is
     gathered again right before the module's backward and freed once its gradient is
     reduce-scattered. At any moment only the unit computing is gathered (with overlap, also the
-    next one, being prefetched), never the whole model. Memory 16Ψ/N (paper); communication
-    3Ψ (N-1)/N: the parameters are all-gathered twice per step instead of once.
+    next one, being prefetched; and the root, below), never the whole model. Memory 16Ψ/N
+    (paper); communication 3Ψ (N-1)/N: the parameters are all-gathered twice per step, not once.
 
     The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
     from the start of forward to the end of backward, as FSDP2 does for its root: backward would
@@ -463,7 +470,7 @@ class ZeRO3(ZeRO2):
             self.meter.event("gather", unit)
             unit.gathered_at = self.steps
         elif unit.gathered_at != self.steps:  # a unit kept from before step(): stale values
-            raise RuntimeError(f"zero: unit {self.units.index(unit)} was gathered before the last "
+            raise RuntimeError(f"zero: unit {unit.index} was gathered before the last "
                                "step() and still is: a forward that did not finish?")
         if unit.prefetch is not None and not prefetch:  # needed now: wait for the prefetch
             unit.prefetch.wait()
@@ -1159,9 +1166,16 @@ DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # be
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
 # old names. The old names are the ones every torch >= 2.6 has (and every tutorial uses), so we
-# keep them and silence just that warning.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|"
-                                          r"reduce_scatter_tensor)` is deprecated")
+# keep them and silence just that warning, around each call: a filter set once at import is
+# undone by whoever resets the warning filters later (pytest does, for every test).
+RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+@contextlib.contextmanager
+def renamed_quietly():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
+        yield
 
 
 class _Pending:
@@ -1680,7 +1694,7 @@ def _all_ranks(row, device, dtype=torch.int64):
     """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather."""
     mine = torch.tensor(row, dtype=dtype, device=device)
     every = torch.empty(dist.get_world_size() * len(row), dtype=dtype, device=device)
-    dist.all_gather_into_tensor(every, mine)
+    all_gather(every, mine)
     return every.view(dist.get_world_size(), len(row)).tolist()
 
 
@@ -3386,9 +3400,9 @@ PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Tim
 
 
 def run(main, argv=None):
-    """Run a command-line main (`def main():`, or `def main(argv):`, given argv): bad input is one line and exit code 2; a run stopped by a loss
-    or gradient norm that is not finite, one line and exit code 3; a rank out of memory, one
-    line (that rank's) and exit code 4."""
+    """Run a command-line main (`def main():`, or `def main(argv):` given argv): bad input is
+    one line and exit code 2; a run stopped by a loss or gradient norm that is not finite, one
+    line and exit code 3; a rank out of memory, one line (that rank's) and exit code 4."""
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
     import inspect  # a script's `def main():` takes nothing; zero.py's own main takes argv
