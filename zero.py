@@ -2954,6 +2954,7 @@ def report(res, args):
 # is a fact and not a formula; --largest-model then finds, by trying, the largest demo GPT that
 # each stage trains within it: how much larger a model ZeRO trains on the same ranks.
 
+MIN_MEMORY = 10**6  # --max-memory: below it a thread the runtime starts can abort the process
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -3311,6 +3312,9 @@ def check_args(args):
     if not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1]:
         raise UsageError(f"--timeout must be from {TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, "
                          f"not {args.timeout:g}")
+    if args.max_memory is not None and args.max_memory < MIN_MEMORY:  # (glibc then aborts)
+        raise UsageError(f"--max-memory {args.max_memory:,} bytes leaves no room for the threads "
+                         f"the runtime still starts (their stacks count): at least 1MB")
     size = os.path.getsize(__file__)  # the data: this file's bytes; a row is seq_len + 1 of them
     if args.seq_len > size - 2:
         raise UsageError(f"--seq-len {args.seq_len} is longer than the data allows: at most "
