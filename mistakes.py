@@ -238,7 +238,7 @@ class NoDivide(zero.ZeRO1):
     def _reduce_grads(self):
         if not self._reduced:
             zero.DataParallel._reduce_grads(self)  # reduce-scatter: the shard holds the sum
-            for unit in self.units:
+            for unit in self.units:  # (DataParallel's, not super(): ZeRO1's would divide)
                 pass  # WRONG: ZeRO1 divides here, unit.grad_shard.div_(self.N): the sum -> the mean
 
 
