@@ -1154,6 +1154,24 @@ def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(one_rank):
     assert all(torch.equal(t, opt.full_state_dict()[n]) for n, t in before.items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_clipping_in_any_dtype_is_torchs(one_rank, dtype):
+    # The norm is taken in the gradients' dtype, at least float32 (bf16 squares would round
+    # away): float64 gradients keep float64, as torch's clip_grad_norm_ does (float32 raised).
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(D, D), nn.Linear(D, V)).to(dtype), torch.randn(B, D, dtype=dtype)
+    plain = copy.deepcopy(model)
+    opt = zero.wrap(model, 1, functools.partial(torch.optim.SGD, lr=0.1))
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    norm = opt.clip_grad_norm_(0.1)
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    if dtype == torch.float64:
+        assert norm.dtype == torch.float64 and torch.allclose(norm, expected, rtol=1e-12)
+    else:  # torch's bf16 norm is rounded to bf16's 8 bits; zero.py's is fp32
+        assert norm.dtype == torch.float32 and torch.allclose(norm, expected.float(), rtol=1e-2)
+
+
 class SparseLookup(nn.Module):
     def __init__(self):
         super().__init__()

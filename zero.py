@@ -280,8 +280,8 @@ class DataParallel:
 
     def _sum_of_squares(self):
         # Every rank holds the whole averaged gradient: its squares are the global ones.
-        return torch.stack([torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2
-                            for u in self.units]).sum()
+        return sum(torch.linalg.vector_norm(u.grad_shard, dtype=_wide_dtype(u.grad_shard)) ** 2
+                   for u in self.units)  # (in fp32 at least: bf16 squares overflow and round)
 
     def clip_grad_norm_(self, max_norm):
         """Scale gradients to a global L2 norm of at most max_norm, as torch's clip_grad_norm_
@@ -1872,7 +1872,11 @@ def _numel(shape):
 
 def _wide(t):
     """t in float32, or kept in float64: the precision masters are saved and returned in."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t.to(_wide_dtype(t))
+
+
+def _wide_dtype(t):
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def layout(zero):
