@@ -778,7 +778,8 @@ def main(argv=None):
                               "names them")
     if args.list:
         for m in MISTAKES.values():
-            print(f"{m.name:<22} stages {m.stages:<4} (runs at {m.stage}): {m.measure}")
+            word = "stages" if "-" in m.stages else "stage "
+            print(f"{m.name:<22} {word} {m.stages:<4} (runs at {m.stage}): {m.measure}")
         return
     if args.json:
         where = os.path.dirname(args.json) or "."
@@ -787,6 +788,9 @@ def main(argv=None):
                 "is a directory" if os.path.isdir(args.json) else f"no directory {where}"))
     start = time.perf_counter()
     rank, world, _ = zero.setup(backend="gloo", device="cpu")
+    if world < 2:  # one rank has nothing to reduce, replicate or hang on: every row reads 0
+        raise zero.UsageError("the mistakes need 2 or more ranks: torchrun --nproc_per_node=4 "
+                              "mistakes.py")
     results = run_lab(args.names)
     if rank != 0:
         return

@@ -1473,7 +1473,7 @@ def test_each_mistake_shows_its_symptom_and_the_right_code_does_not(world2, name
         assert r["wrong"] < world2[0]["mistakes_lab"]["results"]["no-divide-sgd"]["wrong"] / 1e4
 
 
-def test_the_mistakes_lab_command_line(world2, shared, refused):
+def test_the_mistakes_lab_command_line(world2, shared, refused, one_rank):
     printed = world2[0]["mistakes_lab"]["printed"]  # rank 0's; the other rank prints nothing
     assert world2[1]["mistakes_lab"]["printed"] == ""
     lines = printed.splitlines()
@@ -1488,7 +1488,8 @@ def test_the_mistakes_lab_command_line(world2, shared, refused):
     assert [line.split()[0] for line in listed] == list(mistakes.MISTAKES) and len(listed) >= 12
     assert all(len(line) <= 100 for line in listed)
     for argv, message in [(["nope"], "no mistake named 'nope'"), (["--nope"], "--nope"),
-                          (["--json", os.path.join(shared, "none", "x.json")], "no directory")]:
+                          (["--json", os.path.join(shared, "none", "x.json")], "no directory"),
+                          (["no-divide-sgd"], "2 or more ranks")]:  # one_rank: a group of one
         error, out = main_refused(mistakes.main, argv)
         assert error and message in error and "\n" not in error and out == "", (argv, error)
     code, out, err, message = refused["mistakes.py"]  # end to end: one line, exit code 2
