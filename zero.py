@@ -303,7 +303,7 @@ class DataParallel:
             for piece, grad, p in zip(u.pieces, grads, u.owner):
                 piece.grad = grad if p in self.with_grad else None
         self.optimizer.step()
-        after_step(self)  # mixed precision: the fp32 masters rounded into the shards; .grad
+        after_step(self)  # mixed precision: fp32 masters into the shards; .grad let go
         self.steps += 1
         self._gather_params()
 
