@@ -1984,23 +1984,41 @@ def load_parts(zero, parts, written):
             where[name], o = (i, o), o + _numel(shape)
         S.append(-(-o // len(parts)))
 
-    def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts with them
-        out = []
-        while lo < hi:
-            q = lo // S[i]  # the rank that wrote element lo
-            end = min(hi, (q + 1) * S[i])
-            unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
-            t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S[i]))
-            out.append(t[lo - q * S[i]:end - q * S[i]])
-            lo = end
-        return torch.cat(out)
+    def read(name, lo, hi, key):  # elements [lo, hi) of a parameter, from the parts that hold them
+        i, o = where[name]
+        return _elements(parts, S[i], i, o + lo, o + hi, key)
 
     first = next(p for p in parts if p is not None)
-    keys = ["master"] + list(dict.fromkeys(k for part in parts if part is not None
-                                           for unit in part["units"] for k in unit["state"]))
+    keys = list(dict.fromkeys(k for part in parts if part is not None
+                              for unit in part["units"] for k in unit["state"]))
     scalars = {}  # parameter name -> its optimizer scalars; absent: no state, never stepped
     for part in parts:
         scalars.update(_param_scalars(part, written) if part is not None else {})
+    load_values(zero, read, keys, scalars, first["hyper"],
+                parts[0]["replicated"] if parts[0] is not None else None)
+
+
+def _elements(parts, S, i, lo, hi, key):
+    """Elements [lo, hi) of unit i's flat `key` (master or an optimizer state), which the writer
+    cut into parts of S elements: a view where one part holds them all, else a copy."""
+    out = []
+    while lo < hi:
+        q = lo // S  # the rank that wrote element lo
+        end = min(hi, (q + 1) * S)
+        unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
+        t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
+        out.append(t[lo - q * S:end - q * S])
+        lo = end
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def load_values(zero, read, keys, scalars, hyper, frozen):
+    """Load what read(name, lo, hi, key) gives, elements [lo, hi) of a parameter (by name,
+    flattened) of its master weights (key "master") or of each per-element optimizer state in
+    `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
+    parameter the optimizer has state for; `hyper` the param_groups without their params;
+    `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
+    keys = ["master", *keys]
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
@@ -2011,9 +2029,8 @@ def load_parts(zero, parts, written):
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                 if a < b:  # p has elements in this rank's range: fetch them by p's name
-                    i, o = where[names[p]]
                     for k, t in values.items():
-                        t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
+                        t[a - lo:b - lo] = read(names[p], a - u.offset[p], b - u.offset[p], k)
             u.master.copy_(values.pop("master"))
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
             sizes = [piece.numel() for piece in u.pieces]
@@ -2023,12 +2040,12 @@ def load_parts(zero, parts, written):
                     state[piece] = {**dict(zip(values, chunk)),
                                     **{k: v.clone() if torch.is_tensor(v) else v
                                        for k, v in scalars[names[p]].items()}}
-        if parts[0] is not None and parts[0]["replicated"] is not None:
+        if frozen is not None:
             for n, t in replicated(zero.model):
-                t.copy_(parts[0]["replicated"][n])
+                t.copy_(frozen[n])
     index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
     groups = [{**h, "params": g["params"]}
-              for h, g in zip(first["hyper"], zero.optimizer.state_dict()["param_groups"])]
+              for h, g in zip(hyper, zero.optimizer.state_dict()["param_groups"])]
     zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
                                     "param_groups": groups})
     zero.zero_grad()
@@ -2052,10 +2069,7 @@ def check_checkpoint(zero, parts, written):
     got = {n: s for unit in written["units"] for n, s in unit}
     for kind, a, b in [("parameter", want, got),
                        ("frozen parameter or buffer", mine["replicated"], written["replicated"])]:
-        for n in list(a) + list(b):
-            if a.get(n) != b.get(n):
-                raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
-                                      f"{b.get(n, 'absent')} there, {a.get(n, 'absent')} here")
+        another_model(a, b, kind)
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
     # a rank whose parameters never got a gradient has no state to write).
@@ -2072,6 +2086,15 @@ def check_checkpoint(zero, parts, written):
     if parts[0].get("optimizer") != type(zero.optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
                               f", this run has {type(zero.optimizer).__name__}")
+
+
+def another_model(here, there, kind="tensor"):
+    """Raise CheckpointError naming the first name whose shape differs between `here` and
+    `there` ({name: shape as a list}), or that only one of them has."""
+    for n in list(here) + list(there):
+        if here.get(n) != there.get(n):
+            raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
+                                  f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
 
 
 def full_state_dict(zero):
