@@ -2244,7 +2244,8 @@ def _steps(root):
     found = {}
     for name in names:
         step = _step_of(name)
-        if step is not None and os.path.exists(os.path.join(root, name, "manifest.json")):
+        if step is not None and any(os.path.exists(os.path.join(root, name, marker))
+                                    for marker in ("manifest.json", DCP_MARKER)):
             found[step] = os.path.join(root, name)
     return found
 
@@ -2555,7 +2556,10 @@ def load_checkpoint(opt, path):
     and return its manifest (step, extra). Every rank calls this; if any rank finds a problem,
     every rank raises CheckpointError and nothing has changed. Each rank checks the hashes of
     1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N
-    times. The optimizer's hyper-parameters (lr...) are the checkpoint's."""
+    times. The optimizer's hyper-parameters (lr...) are the checkpoint's. A DCP checkpoint
+    (fsdp_demo.py's, of FSDP2): load_dcp."""
+    if path is not None and is_dcp(path):
+        return load_dcp(opt, path)
     error = ""
     try:
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
@@ -2571,6 +2575,25 @@ def load_checkpoint(opt, path):
         raise CheckpointError(error)
     load_parts(opt, parts, manifest)
     return manifest
+
+
+def checkpoint_tensors(manifest, parts, key="master"):
+    """(name, tensor in its shape) of each parameter of a checkpoint (read_checkpoint), one at a
+    time, of the master weights or of the optimizer state `key`: a view of a memory-mapped part,
+    or a copy where two parts hold it. What consolidate() and fsdp_demo.py stream."""
+    for i, params in enumerate(manifest["units"]):
+        S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
+        for name, shape in params:
+            yield name, _elements(parts, S, i, o, o + _numel(shape), key).view(shape)
+            o += _numel(shape)
+
+
+def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's exp_avg, exp_avg_sq
+    return list(dict.fromkeys(k for part in parts for unit in part["units"] for k in unit["state"]))
+
+
+def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
+    return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
 
 
 def consolidate(path, out):
@@ -2596,6 +2619,165 @@ def consolidate(path, out):
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise UsageError(f"{out}: cannot be written ({reason})") from None
     return manifest
+
+
+# ----------------------------------------------------------------------------------------------
+# The same run under FSDP2 and back: torch.distributed.checkpoint (DCP). fsdp_demo.py writes its
+# checkpoints with DCP, as torchtitan does; zero.py continues them (load_dcp), and fsdp_demo.py
+# continues zero.py's (its Torch.load_checkpoint). Keys, as torch.distributed.checkpoint's
+# state_dict API gives them: model.<key> for each key of the model's state_dict(), and
+# optimizer.state.<name>.<exp_avg | exp_avg_sq | step> for each parameter, by name.
+#
+#   DIR/step_00000010/__0_0.distcp ... __3_0.distcp   each rank's shards, DCP's own files
+#   DIR/step_00000010/.metadata                       DCP's index: each tensor's shape, and which
+#                                                     file holds which of its rows (a pickle)
+#   DIR/step_00000010/complete.json                   step, stage, N, hyper-parameters, data
+#
+# Both sides agree on the model's coordinates, names and shapes, not on how a rank's shard is
+# cut: FSDP2 cuts every parameter on dim 0, zero.py one flat buffer per unit. So a reader asks
+# DCP for whole tensors by name and cuts its own elements out of them (load_values).
+# DCP writes in place, so a save goes into step_00000010.partial, then complete.json, then one
+# rename: a directory without complete.json is torn (a save killed midway) and is never chosen.
+# DCP's .metadata is a pickle, unlike zero.py's parts: load DCP checkpoints that you trust.
+
+DCP_FORMAT = "zero.py DCP checkpoint, version 1"
+DCP_MARKER = "complete.json"
+
+
+def is_dcp(path):
+    return not os.path.exists(os.path.join(path, "manifest.json")) and any(
+        os.path.exists(os.path.join(path, f)) for f in (".metadata", DCP_MARKER))
+
+
+def checkpoint_path(path):
+    """path itself if it is a checkpoint of either format, else the newest complete one in it."""
+    if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
+        return path
+    found = latest_checkpoint(path) if os.path.isdir(path) else None
+    if found is None:
+        raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
+                              "DCP's .metadata), and no complete checkpoint in it")
+    return found
+
+
+def _commit_dcp(tmp, path, info):
+    """Rank 0, once DCP has written every rank's files into tmp: the marker, then the rename."""
+    _atomic_write(os.path.join(tmp, DCP_MARKER),
+                  lambda f: f.write(_json_lines({"format": DCP_FORMAT, **info}).encode()))
+    if os.path.exists(path):  # the same step again: the old one goes once the new one is whole
+        os.replace(path, path + ".old")
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+def save_dcp(state, root, step, info, device, keep=2):
+    """dcp.save(state) as checkpoint `step` under root, in fsdp_demo.py's training: every rank
+    calls it (a collective), and writes its own shards. info: what complete.json records."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(root, f"step_{step:08d}")
+    tmp, error = path + ".partial", ""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
+    dist.barrier()
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
+        if dist.get_rank() == 0:
+            _commit_dcp(tmp, path, {"step": step, **info})
+            with contextlib.suppress(OSError, CheckpointError):
+                _rotate(root, step, keep)
+    except (OSError, RuntimeError) as e:
+        error = f"rank {dist.get_rank()}: {str(e).splitlines()[0][:300]}"
+    error = _first_error(error, device)
+    if error:
+        raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written before "
+                              "it are intact")
+
+
+def read_dcp(path):
+    """complete.json, and {key: (shape, dtype)} of every tensor, of the DCP checkpoint in `path`,
+    checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
+    Reads the index only, no tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+    marker = os.path.join(path, DCP_MARKER)
+    _regular_size(marker, "missing: the DCP checkpoint is torn (a save killed midway?)")
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # (an unreadable marker, or DCP's index missing or not one)
+        raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if not isinstance(info, dict) or info.get("format") != DCP_FORMAT or \
+            not _count(info.get("step")) or not isinstance(info.get("extra"), dict):
+        raise CheckpointError(f"{marker}: not a {DCP_FORMAT!r} marker")
+    ends = Counter()  # each file's length that the index needs
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends[item.relative_path], item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
+        if size < end:
+            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
+                                  f"{end}: truncated, the checkpoint is torn")
+    tensors = {k: (list(v.size), v.properties.dtype)
+               for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+    return info, tensors
+
+
+def check_dcp(model, optimizer, info, tensors, path):
+    """Raise CheckpointError unless the DCP checkpoint (read_dcp) is one of this model, with
+    this optimizer's per-parameter state. Returns {parameter name: [its optimizer's keys]}."""
+    here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
+    keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
+                if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
+    if not info.get("optimizer") or not any(keys.values()):
+        raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
+                              "needs it; start from weights with --init-from")
+    if info["optimizer"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
+                              f"run has {type(optimizer).__name__}")
+    return keys
+
+
+def load_dcp(zero, path):
+    """load_checkpoint() for a DCP checkpoint, whatever FSDP2's N, stage and mesh that wrote it.
+    Each rank asks DCP only for the tensors of the parameters its elements are in (DCP then reads
+    only their rows' bytes, from each writer's file), and cuts its elements out of them."""
+    import torch.distributed.checkpoint as dcp
+    error, loaded = "", {}
+    try:
+        info, tensors = read_dcp(path)
+        keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
+        names = {p: n for n, p in zero.model.named_parameters()}
+        want = [f"model.{n}" for n, _ in replicated(zero.model)]
+        for u in zero.units:
+            for p in u.params:
+                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
+                    want += [f"model.{names[p]}",
+                             *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
+        loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
+        dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # DCP's own errors: a file it cannot read
+        error = f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+    error = _first_error(error[:500], zero.units[0].flat.device)  # every rank, before any change
+    if error:
+        raise CheckpointError(error)
+    per_element = {k for n, ks in keys.items() for k in ks
+                   if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
+    scalars = {}  # Adam's step count: a tensor of shape [] per parameter
+    for n, ks in keys.items():
+        if f"model.{n}" in loaded and ks:
+            scalars[n] = {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
+
+    def read(name, lo, hi, key):
+        t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
+        return t.reshape(-1)[lo:hi]
+    load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
+                {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
+    return info
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2756,19 +2938,26 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                               f"{args.grad_accum} micro-batch(es)")]))
     # Resume: the newest complete checkpoint, whatever stage and world size wrote it, as rank 0
-    # sees it (choose_checkpoint). The data position is the step: get_batch() draws step k's
+    # sees it (choose_checkpoint); if --ckpt-dir has none, --resume-from's, of either format
+    # (zero.py's or DCP's). The data position is the step: get_batch() draws step k's
     # global batch from a generator seeded by k. The checkpoint's hyper-parameters are loaded
     # with its state, then --lr is applied: the command line has the last word.
     first, ckpt = 1, getattr(args, "ckpt_dir", None)
     found = choose_checkpoint(ckpt, device) if ckpt else None
+    if not found and getattr(args, "resume_from", None):
+        found = checkpoint_path(args.resume_from)
+    # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
+    load = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))
+    save = getattr(opt, "save_checkpoint", functools.partial(save_checkpoint, opt))
     if found:
-        manifest = load_checkpoint(opt, found)
+        manifest = load(found)
         first = manifest["step"] + 1
         loaded_lr = opt.optimizer.param_groups[0]["lr"]
         for group in opt.optimizer.param_groups:
             group["lr"] = args.lr
         log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
             f"by {manifest['world_size']} rank(s)" +
+            (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
             (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
              not in (0, manifest["world_size"]) else "") +
             (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
@@ -2844,7 +3033,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + ("" if finite else " | not finite: skipped, the weights are unchanged"))
         if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
-            save_checkpoint(opt, ckpt, step, extra={"data": data_position(args, world)})
+            save(ckpt, step, extra={"data": data_position(args, world)})
             last_good = os.path.join(ckpt, f"step_{step:08d}")
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
@@ -2860,7 +3049,8 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
         [build_peak.get(k, -1) for k in kinds] + [runtime, used]
     ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
-    return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
+    return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
+            "losses": losses,
             "times": times, "sent": sent,
             "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
             "mem": dict(zip(kinds, most[:3])),
@@ -3310,6 +3500,10 @@ def training_parser(description):
     p.add_argument("--init-from", metavar="FILE",
                    help="start from a plain state_dict file, e.g. from --consolidate "
                         "(default: a fresh model)")
+    p.add_argument("--resume-from", metavar="DIR",
+                   help="continue the run of a checkpoint, zero.py's or FSDP2's (DCP), of any "
+                        "stage and world size: DIR, or the newest in DIR; a checkpoint in "
+                        "--ckpt-dir comes first (default: none)")
     p.add_argument("--max-memory", type=memory_size, metavar="SIZE",
                    help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its "
                         "runtime, enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on "
@@ -3334,6 +3528,8 @@ def check_args(args):
     if not 0 <= args.bucket_mb * 2**20 < float("inf"):
         raise UsageError("--bucket-mb must be 0 (one bucket per unit) or a positive number, "
                          f"not {args.bucket_mb}")
+    if args.init_from and args.resume_from:
+        raise UsageError("--init-from starts a run, --resume-from continues one: not both")
     if not 0 <= args.seed < SEEDS:
         raise UsageError(f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}")
     if not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1]:
