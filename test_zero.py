@@ -1855,6 +1855,35 @@ def test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses(moved, world):
     assert hsdp["first"] == 2 and max(abs(a - b) for a, b in zip(hsdp["theirs"], hsdp["ours"])) <= 1e-5
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gloo's renamed collectives (in_process, below)
+def test_moving_refuses_bad_input_in_one_line(world4, shared, one_rank, tmp_path):
+    # --resume-from, on either side: one line (zero.run: exit code 2), nothing trained, nothing
+    # written in --ckpt-dir, the source as it was
+    import fsdp_demo
+    dcp_dir, zero_dir = (zero.latest_checkpoint(os.path.join(shared, name)) for name in ("fsdp4", "zero4"))
+    for bad in ("torn", "truncated"):
+        shutil.copytree(dcp_dir, tmp_path / bad)
+    os.remove(tmp_path / "torn" / zero.DCP_MARKER)
+    os.truncate(tmp_path / "truncated" / "__1_0.distcp", 100)
+    (tmp_path / "neither").mkdir()
+    (tmp_path / "neither" / "notes.txt").write_text("not a checkpoint")
+    with contextlib.redirect_stdout(io.StringIO()):
+        zero.main(["--consolidate", zero_dir, "--out", str(tmp_path / "weights.pt")])  # weights only
+    before = sorted(os.listdir(dcp_dir))
+    cases = [(zero.main, ["--resume-from", str(tmp_path / "neither")], "not a checkpoint"),
+             (zero.main, ["--d-model", "32", "--resume-from", dcp_dir], "another model: tensor 'wte.weight' is [256, 16] there, [256, 32] here"),
+             (fsdp_demo.main, ["--stage", "2", "--n-layer", "1", "--resume-from", zero_dir], "another model: tensor 'blocks.1."),
+             (zero.main, ["--resume-from", str(tmp_path / "weights.dcp")], "holds no optimizer state"),
+             (zero.main, ["--resume-from", str(tmp_path / "torn")], "complete.json: missing: the DCP checkpoint is torn"),
+             (zero.main, ["--resume-from", str(tmp_path / "truncated")], "__1_0.distcp: 100 bytes")]
+    for i, (main, args, message) in enumerate(cases):
+        ckpt = tmp_path / f"ckpt{i}"
+        error, printed = main_refused(main, [*MOVE, "--steps", "3", "--ckpt-dir", str(ckpt), *args])
+        assert error and message in error and "\n" not in error, (args, error)
+        assert "step    2 |" not in printed and os.listdir(ckpt) == []
+    assert sorted(os.listdir(dcp_dir)) == before
+
+
 def dcp_full(path):
     """{(key, parameter name): full tensor} of a DCP checkpoint, read by torch's own converter."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -2169,6 +2198,13 @@ def test_consolidate_and_init_from(one_process):
         want, fresh = (F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for m in (model, untrained))
     assert out.returncode == 0, out.stderr[-3000:]
     assert abs(losses(out.stdout)[0] - want) < 1e-5 and want < fresh - 0.1  # trained weights, not a fresh model
+    # the same tensors, under the same keys, as safetensors' own loader and torch's DCP converter read them
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    base = model_file[:-3]
+    dcp_to_torch_save(base + ".dcp", base + ".from-dcp.pt")
+    for other in (load_file(base + ".safetensors"), torch.load(base + ".from-dcp.pt", weights_only=True)):
+        assert sorted(other) == sorted(state) and all(torch.equal(other[k], state[k]) for k in state)
 
 
 def checkpoint_error_cases(tmp):

@@ -2597,28 +2597,96 @@ def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's st
 
 
 def consolidate(path, out):
-    """Write one plain state_dict, {key: full fp32 (or fp64) tensor} for every key of the model's
-    own state_dict(), from the sharded checkpoint in `path`: what model.load_state_dict() takes.
-    One process, no process group, any stage and world size. A checkpoint that is not right is a
-    CheckpointError, a file `out` that cannot be written a UsageError; neither leaves a file."""
+    """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor} for
+    every key of the model's own state_dict(), in three formats: `out`, a torch.save file (what
+    model.load_state_dict() and --init-from take); OUT.safetensors (OUT: `out` without .pt),
+    what Hugging Face and inference engines load; OUT.dcp, a DCP directory (dcp.load, FSDP2's,
+    and dcp_to_torch_save read it). One process, no process group, any stage and world size.
+    Streamed, one tensor at a time: each is cut from the memory-mapped parts into the
+    .safetensors file, and the other two are written from that file, memory-mapped too: no
+    moment holds the whole model in memory. A checkpoint that is not right is a
+    CheckpointError, an output that cannot be written a UsageError; neither leaves a file."""
+    import mmap
+    import torch.distributed.checkpoint as dcp
     manifest, parts = read_checkpoint(path)
+    base = out[:-3] if out.endswith(".pt") else out
+    outputs = [out, base + ".safetensors", base + ".dcp"]
     try:
-        full = dict(parts[0]["replicated"])
+        frozen, where = parts[0]["replicated"], {}
         for i, params in enumerate(manifest["units"]):
-            flat = torch.cat([part["units"][i]["master"] for part in parts])  # [N*S]: each rank's S
-            o = 0
+            S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
             for name, shape in params:
-                full[name], o = flat[o:o + _numel(shape)].view(shape).clone(), o + _numel(shape)
-        state = {key: full[name] for key, name in manifest["keys"]}
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                where[name], o = (i, o, shape, S), o + _numel(shape)
+        master = getattr(torch, manifest["dtype"]["master"].removeprefix("torch."))
+
+        def tensor(name):  # the whole tensor, from the memory-mapped parts
+            if name in frozen:
+                return frozen[name]
+            i, o, shape, S = where[name]
+            return _elements(parts, S, i, o, o + _numel(shape), "master").view(shape)
+        items = [(key, name, list(frozen[name].shape) if name in frozen else where[name][2],
+                  frozen[name].dtype if name in frozen else master)
+                 for key, name in manifest["keys"]]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
     try:
+        _atomic_write(outputs[1], lambda f: _write_safetensors(f, items, tensor))
+        # the model again, each tensor a view of the .safetensors file's pages (mapped
+        # copy-on-write: writable, as torch.frombuffer wants, and nothing written back)
+        with open(outputs[1], "rb") as f:
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        start, views = 8 + int.from_bytes(pages[:8], "little"), {}
+        for key, name, shape, dtype, (a, b) in _safetensors_offsets(items):
+            if name not in views:  # a tied weight: one tensor under both keys, as state_dict()
+                views[name] = torch.frombuffer(pages, dtype=dtype, count=_numel(shape),
+                                               offset=start + a).view(shape) if b > a else \
+                    torch.zeros(shape, dtype=dtype)
+        state = {key: views[name] for key, name, _, _ in items}
         _atomic_write(out, lambda f: torch.save(state, f))
+        tmp = outputs[2] + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        _commit_dcp(tmp, outputs[2], {k: manifest[k] for k in ("step", "stage", "world_size")} |
+                    {"optimizer": None, "extra": manifest["extra"]})
     except (OSError, RuntimeError) as e:
+        for o in outputs:
+            _remove_quietly(o)
+        shutil.rmtree(outputs[2], ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        raise UsageError(f"{out}: cannot be written ({reason})") from None
+        raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
+                         f"({reason})") from None
     return manifest
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _safetensors_offsets(items):  # (key, name, shape, dtype, [start, end) in the data)
+    o = 0
+    for key, name, shape, dtype in items:
+        n = _numel(shape) * dtype.itemsize
+        yield key, name, shape, dtype, (o, o + n)
+        o += n
+
+
+def _write_safetensors(f, items, tensor):
+    """The safetensors format, written by hand, tensor by tensor: a little-endian u64, the size
+    of a JSON header (every key's dtype, shape and byte range), the header, then the bytes.
+    (safetensors' own save_file() takes every tensor at once, in memory.)"""
+    header = {"__metadata__": {"format": "pt"}}
+    for key, _, shape, dtype, offsets in _safetensors_offsets(items):
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
+                       "data_offsets": list(offsets)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(len(text).to_bytes(8, "little") + text)
+    for key, name, _, dtype in items:
+        f.write(tensor(name).contiguous().view(torch.uint8).numpy().data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2727,13 +2795,13 @@ def read_dcp(path):
 def check_dcp(model, optimizer, info, tensors, path):
     """Raise CheckpointError unless the DCP checkpoint (read_dcp) is one of this model, with
     this optimizer's per-parameter state. Returns {parameter name: [its optimizer's keys]}."""
-    here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
-    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
     keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
                 if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
     if not info.get("optimizer") or not any(keys.values()):
         raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
                               "needs it; start from weights with --init-from")
+    here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
     if info["optimizer"] != type(optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
                               f"run has {type(optimizer).__name__}")
@@ -3604,12 +3672,15 @@ def main(argv=None):
                                                       else f"no directory {where}"))
         found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
         path = args.consolidate if found else latest_checkpoint(args.consolidate)
-        if path is None:
-            raise CheckpointError(f"{args.consolidate}: no complete checkpoint (no manifest.json)")
+        if path is None or is_dcp(path):
+            raise CheckpointError(f"{args.consolidate}: no complete checkpoint of zero.py's (no "
+                                  "manifest.json)" + (": DCP's is read by dcp_to_torch_save"
+                                                      if path else ""))
         m = consolidate(path, args.out)
-        print(f"wrote {args.out}: {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
-              f"(written at stage {m['stage']} by {m['world_size']} rank(s), "
-              "fp32 master weights)")
+        base = args.out[:-3] if args.out.endswith(".pt") else args.out
+        print(f"wrote {args.out}, {base}.safetensors and {base}.dcp: {len(m['keys'])} tensors, "
+              f"Ψ = {m['psi']:,}, step {m['step']} (written at stage {m['stage']} by "
+              f"{m['world_size']} rank(s), fp32 master weights)")
     elif args.largest_model:
         largest_model(args)
     elif args.timeline_all:
