@@ -5,6 +5,8 @@ fsdp_demo.py: the training of zero.py, done by PyTorch's own implementation of e
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 3 --compare # and zero.py's stage 3 beside it
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 2 --bf16    # FSDP2 with bf16 compute
     torchrun --nproc_per_node=4 fsdp_demo.py --bench             # every stage vs PyTorch, timed
+    torchrun --nproc_per_node=2 fsdp_demo.py --stage 3 --resume-from ckpt --ckpt-dir fsdp
+                                      # continue zero.py's run (its checkpoints in ckpt), write DCP
 
 Same model, data, seed, training loop and measurements as zero.py: they are imported from it, so
 the only difference on this page is who shards. Per stage (parallelize() below builds each):
@@ -55,7 +57,8 @@ groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not an
 quantized communication (ZeRO++); ZeRO-R's activation partitioning (activations are not model
 state; activation checkpointing itself works at every stage); DTensor state dicts and
 torch.distributed.checkpoint (zero.py's checkpoints do the same job in small: a file per rank
-plus a manifest, resharded when loaded); torch.compile integration. Each is an optimization on
+plus a manifest, resharded when loaded; each side continues the other's, Torch.load_checkpoint
+below and zero.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
 import argparse

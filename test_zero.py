@@ -33,6 +33,10 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
 - Resume is exact: test_resume_from_state_dict_is_exact, test_a_killed_rank_restarts_and_resumes_exactly,
   test_three_ranks_match_the_reference (float64 masters),
   test_checkpoints_with_bf16_compute_and_without_optimizer_state.
+- Moving to FSDP and back (a zero.py checkpoint continues under FSDP2, an FSDP2 DCP checkpoint under
+  zero.py, at another N and stage; weights out as .pt, .safetensors and DCP):
+  test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses, test_moving_keeps_every_weight_and_adam_value,
+  test_moving_refuses_bad_input_in_one_line, test_consolidate_and_init_from.
 - Resharding (a checkpoint of N ranks at one stage loads at M ranks at another):
   test_reshard_keeps_every_parameter_and_optimizer_value, test_reshard_trains_on_as_if_nothing_changed,
   test_checkpoints_with_bf16_compute_and_without_optimizer_state, test_consolidate_and_init_from.
@@ -1638,10 +1642,10 @@ def fsdp_scenarios(rank, world):
         path = os.path.join(os.environ["ZERO_TEST_TMP"], "pretrained.pt")
         if rank == 0:
             torch.manual_seed(123)
-            other = zero.GPT(16, 16, 2, 4)  # SMALL's model, other weights: 3x the usual scale,
+            other = zero.GPT(16, 16, 2, 4)  # SMALL's model, other weights: 10x the usual scale,
             with torch.no_grad():           # so that its first loss is far from a fresh model's
                 for p in other.parameters():
-                    p.mul_(3)
+                    p.mul_(10)
             torch.save(other.state_dict(), path)
         dist.barrier()
         out["--init-from"] = main_printed(fsdp_demo.main, ["--stage", "2", "--compare", *SMALL, "--init-from", path])
