@@ -5,6 +5,8 @@ fsdp_demo.py: the training of zero.py, done by PyTorch's own implementation of e
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 3 --compare # and zero.py's stage 3 beside it
     torchrun --nproc_per_node=4 fsdp_demo.py --stage 2 --bf16    # FSDP2 with bf16 compute
     torchrun --nproc_per_node=4 fsdp_demo.py --bench             # every stage vs PyTorch, timed
+    torchrun --nproc_per_node=2 fsdp_demo.py --stage 3 --resume-from ckpt --ckpt-dir fsdp
+                                      # continue zero.py's run (its checkpoints in ckpt), write DCP
 
 Same model, data, seed, training loop and measurements as zero.py: they are imported from it, so
 the only difference on this page is who shards. Per stage (parallelize() below builds each):
@@ -55,7 +57,8 @@ groups; CPU and NVMe offload (ZeRO-Offload/Infinity: another memory tier, not an
 quantized communication (ZeRO++); ZeRO-R's activation partitioning (activations are not model
 state; activation checkpointing itself works at every stage); DTensor state dicts and
 torch.distributed.checkpoint (zero.py's checkpoints do the same job in small: a file per rank
-plus a manifest, resharded when loaded); torch.compile integration. Each is an optimization on
+plus a manifest, resharded when loaded; each side continues the other's, Torch.load_checkpoint
+below and zero.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
 import argparse
@@ -67,11 +70,15 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -170,7 +177,10 @@ def pytorch(args, world, count_steps=None):
     def build(model, device):
         net, optimizer = parallelize(model, args, device)
         label = f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
-        return net, Torch(model, optimizer, world, count_steps, net), label
+        opt = Torch(model, optimizer, world, count_steps, net)
+        opt.written = {"stage": args.stage, "world_size": world,
+                       "shard_size": args.shard_size or world}  # what complete.json records
+        return net, opt, label
     return build
 
 
@@ -250,6 +260,7 @@ class Torch:
 
     def __init__(self, model, optimizer, world, count_steps=None, net=None):
         self.model, self.optimizer, self.world, self.net = model, optimizer, world, net
+        self.device = next(model.parameters()).device
         self.count_steps = count_steps  # --bench counts only the first step: the mode costs time
         # DTensor parameters: numel() is the global count
         self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -292,6 +303,77 @@ class Torch:
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
                 for n, p in self.model.named_parameters()}
 
+    # Checkpoints (FSDP2 only), through torch.distributed.checkpoint's state_dict API: each rank's
+    # DTensor shards in, each rank's DTensor shards out, keyed by the model's names.
+
+    def save_checkpoint(self, root, step, extra=None):
+        """zero.save_checkpoint's counterpart: DCP, as torchtitan writes it (zero.save_dcp)."""
+        state = {"model": get_model_state_dict(self.model),
+                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        zero.save_dcp(state, root, step, {**self.written, "optimizer": "AdamW", "hyper": hyper,
+                                          "extra": extra or {}}, self.device)
+
+    def load_checkpoint(self, path):
+        """zero.load_checkpoint's counterpart: FSDP2 continues a DCP checkpoint, or zero.py's
+        own, of any stage and world size. Returns its step, stage, N and extra."""
+        error = ""
+        try:
+            if zero.is_dcp(path):
+                info, tensors = zero.read_dcp(path)
+                zero.check_dcp(self.model, self.optimizer, info, tensors, path)
+            else:
+                info, parts = zero.read_checkpoint(path, verify=range(dist.get_rank(), 1 << 30,
+                                                                      self.world))
+                here = {k: list(t.shape) for k, t in self.model.state_dict().items()}
+                shapes = {n: s for unit in info["units"] for n, s in unit}
+                zero.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
+                                          for k, n in info["keys"]})
+                if info["optimizer"] != "AdamW":
+                    raise zero.CheckpointError(f"checkpoint was written with optimizer "
+                                               f"{info['optimizer']}, this run has AdamW")
+        except zero.CheckpointError as e:
+            error = str(e)
+        error = zero._first_error(error[:500], self.device)  # every rank, before any change
+        if error:
+            raise zero.CheckpointError(error)
+        if zero.is_dcp(path):  # torch's own way: the state_dict as a template, filled in place
+            state = {"model": get_model_state_dict(self.model),
+                     "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(self.model, state["model"])
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        else:
+            self._load_zero(info, parts)
+        return info
+
+    def _load_zero(self, manifest, parts):
+        """zero.py's checkpoint into FSDP2: each parameter, and each of its Adam states, whole
+        from the memory-mapped parts (zero.checkpoint_tensors), one at a time, then cut into
+        this rank's DTensor shard by distribute_tensor (src_data_rank=None: every rank holds the
+        same tensor, so nothing is sent); then torch's set_*_state_dict, sharded."""
+        params = dict(self.model.named_parameters())
+
+        def shard(name, full):
+            p = params[name]
+            return distribute_tensor(full.to(self.device), p.device_mesh, p.placements,
+                                     src_data_rank=None)
+        weights = {n: shard(n, t) for n, t in zero.checkpoint_tensors(manifest, parts)}
+        state = {n: {} for n in weights}
+        for key in zero.checkpoint_state_keys(parts):  # Adam's exp_avg, exp_avg_sq
+            for n, t in zero.checkpoint_tensors(manifest, parts, key):
+                state[n][key] = shard(n, t)
+        scalars = zero.checkpoint_scalars(manifest, parts)  # Adam's step count, per parameter
+        state = {n: {**st, **scalars[n]} for n, st in state.items() if n in scalars}
+        frozen = parts[0]["replicated"]  # frozen parameters and buffers: rank 0's part holds them
+        set_model_state_dict(self.model, {k: weights[n] if n in weights else frozen[n]
+                                          for k, n in manifest["keys"]})
+        if state:  # (none: the optimizer never stepped, and starts fresh)
+            hyper = parts[0]["hyper"]
+            groups = [{**h, "params": list(params)} for h in hyper]
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     {"state": state, "param_groups": groups})
+
 
 # ----------------------------------------------------------------------------------------------
 # --compare: PyTorch's run, then zero.py's, in the same processes
@@ -324,7 +406,7 @@ def print_comparison(theirs, ours, args):
     log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, "
         f"N = {ours['world']}")
     log(f"  {'step':>4}  {'loss PyTorch':>12}  {'loss zero.py':>12}  {'difference':>10}")
-    for i, (a, b) in enumerate(zip(theirs["losses"], ours["losses"]), 1):
+    for i, (a, b) in enumerate(zip(theirs["losses"], ours["losses"]), theirs["first"]):
         log(f"  {i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>10.2e}")
     largest = max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"]))
     log(f"  largest loss difference {largest:.2e}")
@@ -460,7 +542,19 @@ def main(argv=None):
                    help="every stage vs PyTorch, default and 50M models, timed")
     p.add_argument("--repeats", type=zero.positive(int), default=3,
                    help="--bench: alternating runs per pair")
+    p.add_argument("--ckpt-dir",
+                   help="write checkpoints here with torch.distributed.checkpoint (FSDP2), and "
+                        "resume from the newest complete one (default: no checkpoints)")
+    p.add_argument("--ckpt-every", type=zero.positive(int),
+                   help="steps between checkpoints (default: after the last step only)")
     args = zero.check_args(p.parse_args(argv))
+    if (args.ckpt_dir or args.resume_from) and (args.stage < 2 or args.bench):
+        raise zero.UsageError("--ckpt-dir and --resume-from are FSDP2's here: stages 2 and 3 "
+                              "only, not --bench")
+    if args.ckpt_dir and args.compare:
+        raise zero.UsageError("--ckpt-dir is not for --compare: both runs would write there")
+    if args.ckpt_every and not args.ckpt_dir:
+        raise zero.UsageError("--ckpt-every needs --ckpt-dir")
     if args.bf16 and (args.stage < 2 or args.bench):
         raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, "
                               "not --bench")

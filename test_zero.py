@@ -33,6 +33,10 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
 - Resume is exact: test_resume_from_state_dict_is_exact, test_a_killed_rank_restarts_and_resumes_exactly,
   test_three_ranks_match_the_reference (float64 masters),
   test_checkpoints_with_bf16_compute_and_without_optimizer_state.
+- Moving to FSDP and back (a zero.py checkpoint continues under FSDP2, an FSDP2 DCP checkpoint under
+  zero.py, at another N and stage; weights out as .pt, .safetensors and DCP):
+  test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses, test_moving_keeps_every_weight_and_adam_value,
+  test_moving_refuses_bad_input_in_one_line, test_consolidate_and_init_from.
 - Resharding (a checkpoint of N ranks at one stage loads at M ranks at another):
   test_reshard_keeps_every_parameter_and_optimizer_value, test_reshard_trains_on_as_if_nothing_changed,
   test_checkpoints_with_bf16_compute_and_without_optimizer_state, test_consolidate_and_init_from.
@@ -106,6 +110,7 @@ is what zero.py left in flight, on any schedule; the killed rank kills itself ri
 checkpoint, not from outside at whatever step it has reached; --bench's times are only checked
 against their own ratio, within the rounding of the printed columns.
 """
+import argparse
 import collections
 import contextlib
 import copy
@@ -538,7 +543,8 @@ def world1(pool, shared):
 
 @pytest.fixture(scope="module")
 def world4(pool, shared):
-    return pool.run(4, ["scenarios", "collectives", "reshard_write", "hybrid", "meta_models", "tasks"], shared)
+    return pool.run(4, ["scenarios", "collectives", "reshard_write", "hybrid", "meta_models", "tasks", "moving_write"],
+                    shared)
 
 
 @pytest.fixture(scope="module")
@@ -546,7 +552,8 @@ def world2(pool, shared, world4):
     damage_copies(shared)  # of the checkpoint world4 wrote, for reshard_read to refuse
     return pool.run(2, ["scenarios", "sometimes", "collectives", "disagree", "reshard_read", "fsdp_scenarios",
                         "small_bench", "fsdp_bad_input", "straight", "cli_errors", "real_code",
-                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab"], shared)
+                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab", "moving",
+                        "moving_write"], shared)
 
 
 @pytest.fixture(scope="module")
@@ -556,7 +563,7 @@ def world3(pool, shared):
 
 @pytest.fixture(scope="module")
 def world4_again(pool, shared, world2):
-    return pool.run(4, ["reshard_read", "fsdp_scenarios"], shared)
+    return pool.run(4, ["reshard_read", "fsdp_scenarios", "moving"], shared)
 
 
 # The same scenarios on a GPU: each (transport, N) below is one run of N ranks on CUDA tensors, in
@@ -1635,10 +1642,10 @@ def fsdp_scenarios(rank, world):
         path = os.path.join(os.environ["ZERO_TEST_TMP"], "pretrained.pt")
         if rank == 0:
             torch.manual_seed(123)
-            other = zero.GPT(16, 16, 2, 4)  # SMALL's model, other weights: 3x the usual scale,
+            other = zero.GPT(16, 16, 2, 4)  # SMALL's model, other weights: 10x the usual scale,
             with torch.no_grad():           # so that its first loss is far from a fresh model's
                 for p in other.parameters():
-                    p.mul_(3)
+                    p.mul_(10)
             torch.save(other.state_dict(), path)
         dist.barrier()
         out["--init-from"] = main_printed(fsdp_demo.main, ["--stage", "2", "--compare", *SMALL, "--init-from", path])
@@ -1762,6 +1769,154 @@ def test_fsdp_demo_bf16_and_bad_input(world2, world4_again, refused):
         for args, message, printed in answers:
             assert message and "\n" not in message and printed == "", (args, message)
         assert "--bf16" in answers[1][1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Moving to FSDP and back: a zero.py checkpoint continues under FSDP2, an FSDP2 one (DCP) under
+# zero.py, at another N and stage. The N = 4 ranks write one of each after step 1; the N = 2 ranks
+# continue them and write theirs, which the N = 4 ranks continue in a second run (world4_again).
+
+MOVE = [*MODEL, "--lr", "5e-3", "--seed", "3"]  # the global batch: 8 rows at any N
+
+
+def move_args(world, stage, steps, **kwargs):
+    args = zero.training_parser("").parse_args([*MOVE, "--stage", str(stage), "--steps", str(steps),
+                                                "--batch-size", str(8 // world)])
+    return argparse.Namespace(**{**vars(args), "ckpt_every": None, **kwargs})
+
+
+def moving_write(rank, world):
+    # N = 4: zero.py at stage 1 and FSDP2 at stage 3 (DCP) each write a checkpoint after step 1;
+    # N = 2: zero.py at stage 0 and FSDP2 at stage 2
+    import fsdp_demo
+    tmp = os.environ["ZERO_TEST_TMP"]
+    ours, theirs = (1, 3) if world == 4 else (0, 2)
+    with contextlib.redirect_stdout(io.StringIO()):
+        zero.train(move_args(world, ours, 1, ckpt_dir=os.path.join(tmp, f"zero{world}")), quiet=True)
+        zero.train(move_args(world, theirs, 1, ckpt_dir=os.path.join(tmp, f"fsdp{world}")),
+                   fsdp_demo.pytorch(move_args(world, theirs, 1), world), quiet=True)
+        if world == 4:  # HSDP (a 2-D mesh: 2 groups of 2) continues zero.py's stage-1 run, as does
+            # zero.py's stage 3 in groups of 2. (Here, in the run of the `hybrid` scenario: a 2-D
+            # mesh made again after a new process group, in world4_again, found a group of the
+            # old one by name, in torch 2.13.)
+            path = zero.latest_checkpoint(os.path.join(tmp, "zero4"))
+            theirs, ours = fsdp_demo.compare(move_args(world, 3, 3, resume_from=path, shard_size=2))
+            return {"first": theirs["first"], "theirs": theirs["losses"], "ours": ours["losses"]}
+
+
+def moving(rank, world):
+    """Each direction continued for 2 steps on both sides (fsdp_demo.compare: FSDP2, then zero.py
+    at the same stage), and the state each side holds right after loading."""
+    import fsdp_demo
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    tmp, other, out = os.environ["ZERO_TEST_TMP"], 6 - world, {}
+    stage = 2 if world == 2 else 3
+    for source in ("zero", "fsdp"):
+        path = zero.latest_checkpoint(os.path.join(tmp, f"{source}{other}"))
+        args = move_args(world, stage, 3, resume_from=path)
+        with contextlib.redirect_stdout(io.StringIO()):
+            theirs, ours = fsdp_demo.compare(args)
+        out[source] = {"first": theirs["first"], "theirs": theirs["losses"], "ours": ours["losses"]}
+    # FSDP2 right after loading zero.py's checkpoint: every weight and Adam value, gathered whole
+    args = move_args(world, stage, 1)
+    with torch.device("meta"):
+        model = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
+    optimizer = fsdp_demo.parallelize(model, args, DEVICE)[1]
+    fsdp_demo.Torch(model, optimizer, world).load_checkpoint(zero.latest_checkpoint(os.path.join(tmp, f"zero{other}")))
+    full = StateDictOptions(full_state_dict=True)
+    state = get_optimizer_state_dict(model, optimizer, options=full)["state"]
+    out["fsdp_loaded"] = {**{("master", n): t for n, t in get_model_state_dict(model, options=full).items()},
+                          **{(k, n): v for n, st in state.items() for k, v in st.items()}}
+    # zero.py right after loading FSDP2's: saved again at once, for the test to read
+    with torch.device("meta"):
+        model = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
+    opt = zero.zero_build(move_args(world, 1, 1))(model, DEVICE)[1]
+    found = zero.latest_checkpoint(os.path.join(tmp, f"fsdp{other}"))
+    zero.load_checkpoint(opt, found)
+    zero.save_checkpoint(opt, os.path.join(tmp, f"resaved{world}"), 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moved(world4, world2, world4_again):
+    return {2: world2[0]["moving"], 4: world4_again[0]["moving"], "hsdp": world4[0]["moving_write"]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses(moved, world):
+    # zero.py's checkpoint of the other N (stage 1 at N = 4, stage 0 at N = 2) continued by FSDP2
+    # (stage 2 at N = 2, stage 3 at N = 4; and stage 3 with HSDP, 2 groups of 2, from zero.py's
+    # N = 4) and by zero.py at that stage; FSDP2's (DCP,
+    # stage 3 at N = 4, stage 2 at N = 2) continued by FSDP2 and by zero.py at that stage: steps
+    # 2 and 3, the same losses on both sides, to rounding.
+    res = moved[world]
+    for source in ("zero", "fsdp"):
+        r = res[source]
+        assert r["first"] == 2 and len(r["theirs"]) == len(r["ours"]) == 2
+        assert max(abs(a - b) for a, b in zip(r["theirs"], r["ours"])) <= 1e-5, (source, r)
+    assert res["zero"]["theirs"][-1] < 5.5  # trained weights, not fresh ones (ln 256 = 5.55)
+    hsdp = moved["hsdp"]
+    assert hsdp["first"] == 2 and max(abs(a - b) for a, b in zip(hsdp["theirs"], hsdp["ours"])) <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # gloo's renamed collectives (in_process, below)
+def test_moving_refuses_bad_input_in_one_line(world4, shared, one_rank, tmp_path):
+    # --resume-from, on either side: one line (zero.run: exit code 2), nothing trained, nothing
+    # written in --ckpt-dir, the source as it was
+    import fsdp_demo
+    dcp_dir, zero_dir = (zero.latest_checkpoint(os.path.join(shared, name)) for name in ("fsdp4", "zero4"))
+    for bad in ("torn", "truncated"):
+        shutil.copytree(dcp_dir, tmp_path / bad)
+    os.remove(tmp_path / "torn" / zero.DCP_MARKER)
+    os.truncate(tmp_path / "truncated" / "__1_0.distcp", 100)
+    (tmp_path / "neither").mkdir()
+    (tmp_path / "neither" / "notes.txt").write_text("not a checkpoint")
+    with contextlib.redirect_stdout(io.StringIO()):
+        zero.main(["--consolidate", zero_dir, "--out", str(tmp_path / "weights.pt")])  # weights only
+    before = sorted(os.listdir(dcp_dir))
+    cases = [(zero.main, ["--resume-from", str(tmp_path / "neither")], "not a checkpoint"),
+             (zero.main, ["--d-model", "32", "--resume-from", dcp_dir], "another model: tensor 'wte.weight' is [256, 16] there, [256, 32] here"),
+             (fsdp_demo.main, ["--stage", "2", "--n-layer", "1", "--resume-from", zero_dir], "another model: tensor 'blocks.1."),
+             (zero.main, ["--resume-from", str(tmp_path / "weights.dcp")], "holds no optimizer state"),
+             (zero.main, ["--resume-from", str(tmp_path / "torn")], "complete.json: missing: the DCP checkpoint is torn"),
+             (zero.main, ["--resume-from", str(tmp_path / "truncated")], "__1_0.distcp: 100 bytes")]
+    for i, (main, args, message) in enumerate(cases):
+        ckpt = tmp_path / f"ckpt{i}"
+        error, printed = main_refused(main, [*MOVE, "--steps", "3", "--ckpt-dir", str(ckpt), *args])
+        assert error and message in error and "\n" not in error, (args, error)
+        assert "step    2 |" not in printed and os.listdir(ckpt) == []
+    assert sorted(os.listdir(dcp_dir)) == before
+
+
+def dcp_full(path):
+    """{(key, parameter name): full tensor} of a DCP checkpoint, read by torch's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
+        state = torch.load(os.path.join(tmp, "all.pt"), weights_only=False)
+    full = {(k, n): v for n, st in state["optimizer"]["state"].items() for k, v in st.items()}
+    return {**full, **{("master", n): state["model"][n] for (_, n) in full}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moving_keeps_every_weight_and_adam_value(moved, shared, world):
+    # Element by element, right after the conversion: FSDP2's weights, m, v and step count are
+    # those of zero.py's checkpoint; zero.py's, saved again at once, those of FSDP2's DCP.
+    other = 6 - world
+    want = full_checkpoint(zero.latest_checkpoint(os.path.join(shared, f"zero{other}")))
+    got = moved[world]["fsdp_loaded"]
+    assert {k for k in want if k != "scalars"} | {("step", n) for n in want["scalars"]} == set(got) - {("master", "head.weight")}
+    for key in want:
+        if key != "scalars":
+            assert torch.equal(got[key], want[key]), key
+    assert all(float(got["step", n]) == float(s["step"]) == 1.0 for n, s in want["scalars"].items())
+    want = dcp_full(zero.latest_checkpoint(os.path.join(shared, f"fsdp{other}")))
+    got = full_checkpoint(os.path.join(shared, f"resaved{world}", "step_00000001"))
+    assert {k for k in want if k[0] != "step"} == {k for k in got if k != "scalars"}
+    for key in got:
+        if key != "scalars":
+            assert torch.equal(got[key], want[key]), key
+    assert {n: float(s["step"]) for n, s in got["scalars"].items()} == {n: float(want["step", n]) for (k, n) in want if k == "step"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2047,6 +2202,13 @@ def test_consolidate_and_init_from(one_process):
         want, fresh = (F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for m in (model, untrained))
     assert out.returncode == 0, out.stderr[-3000:]
     assert abs(losses(out.stdout)[0] - want) < 1e-5 and want < fresh - 0.1  # trained weights, not a fresh model
+    # the same tensors, under the same keys, as safetensors' own loader and torch's DCP converter read them
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    base = model_file[:-3]
+    dcp_to_torch_save(base + ".dcp", base + ".from-dcp.pt")
+    for other in (load_file(base + ".safetensors"), torch.load(base + ".from-dcp.pt", weights_only=True)):
+        assert sorted(other) == sorted(state) and all(torch.equal(other[k], state[k]) for k in state)
 
 
 def checkpoint_error_cases(tmp):

@@ -1984,23 +1984,41 @@ def load_parts(zero, parts, written):
             where[name], o = (i, o), o + _numel(shape)
         S.append(-(-o // len(parts)))
 
-    def read(i, lo, hi, key):  # elements [lo, hi) of the writer's unit i, from the parts with them
-        out = []
-        while lo < hi:
-            q = lo // S[i]  # the rank that wrote element lo
-            end = min(hi, (q + 1) * S[i])
-            unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
-            t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S[i]))
-            out.append(t[lo - q * S[i]:end - q * S[i]])
-            lo = end
-        return torch.cat(out)
+    def read(name, lo, hi, key):  # elements [lo, hi) of a parameter, from the parts that hold them
+        i, o = where[name]
+        return _elements(parts, S[i], i, o + lo, o + hi, key)
 
     first = next(p for p in parts if p is not None)
-    keys = ["master"] + list(dict.fromkeys(k for part in parts if part is not None
-                                           for unit in part["units"] for k in unit["state"]))
+    keys = list(dict.fromkeys(k for part in parts if part is not None
+                              for unit in part["units"] for k in unit["state"]))
     scalars = {}  # parameter name -> its optimizer scalars; absent: no state, never stepped
     for part in parts:
         scalars.update(_param_scalars(part, written) if part is not None else {})
+    load_values(zero, read, keys, scalars, first["hyper"],
+                parts[0]["replicated"] if parts[0] is not None else None)
+
+
+def _elements(parts, S, i, lo, hi, key):
+    """Elements [lo, hi) of unit i's flat `key` (master or an optimizer state), which the writer
+    cut into parts of S elements: a view where one part holds them all, else a copy."""
+    out = []
+    while lo < hi:
+        q = lo // S  # the rank that wrote element lo
+        end = min(hi, (q + 1) * S)
+        unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
+        t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
+        out.append(t[lo - q * S:end - q * S])
+        lo = end
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def load_values(zero, read, keys, scalars, hyper, frozen):
+    """Load what read(name, lo, hi, key) gives, elements [lo, hi) of a parameter (by name,
+    flattened) of its master weights (key "master") or of each per-element optimizer state in
+    `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
+    parameter the optimizer has state for; `hyper` the param_groups without their params;
+    `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
+    keys = ["master", *keys]
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
@@ -2011,9 +2029,8 @@ def load_parts(zero, parts, written):
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                 if a < b:  # p has elements in this rank's range: fetch them by p's name
-                    i, o = where[names[p]]
                     for k, t in values.items():
-                        t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
+                        t[a - lo:b - lo] = read(names[p], a - u.offset[p], b - u.offset[p], k)
             u.master.copy_(values.pop("master"))
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
             sizes = [piece.numel() for piece in u.pieces]
@@ -2023,12 +2040,12 @@ def load_parts(zero, parts, written):
                     state[piece] = {**dict(zip(values, chunk)),
                                     **{k: v.clone() if torch.is_tensor(v) else v
                                        for k, v in scalars[names[p]].items()}}
-        if parts[0] is not None and parts[0]["replicated"] is not None:
+        if frozen is not None:
             for n, t in replicated(zero.model):
-                t.copy_(parts[0]["replicated"][n])
+                t.copy_(frozen[n])
     index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
     groups = [{**h, "params": g["params"]}
-              for h, g in zip(first["hyper"], zero.optimizer.state_dict()["param_groups"])]
+              for h, g in zip(hyper, zero.optimizer.state_dict()["param_groups"])]
     zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
                                     "param_groups": groups})
     zero.zero_grad()
@@ -2052,10 +2069,7 @@ def check_checkpoint(zero, parts, written):
     got = {n: s for unit in written["units"] for n, s in unit}
     for kind, a, b in [("parameter", want, got),
                        ("frozen parameter or buffer", mine["replicated"], written["replicated"])]:
-        for n in list(a) + list(b):
-            if a.get(n) != b.get(n):
-                raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
-                                      f"{b.get(n, 'absent')} there, {a.get(n, 'absent')} here")
+        another_model(a, b, kind)
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
     # a rank whose parameters never got a gradient has no state to write).
@@ -2072,6 +2086,15 @@ def check_checkpoint(zero, parts, written):
     if parts[0].get("optimizer") != type(zero.optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
                               f", this run has {type(zero.optimizer).__name__}")
+
+
+def another_model(here, there, kind="tensor"):
+    """Raise CheckpointError naming the first name whose shape differs between `here` and
+    `there` ({name: shape as a list}), or that only one of them has."""
+    for n in list(here) + list(there):
+        if here.get(n) != there.get(n):
+            raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
+                                  f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
 
 
 def full_state_dict(zero):
@@ -2221,7 +2244,8 @@ def _steps(root):
     found = {}
     for name in names:
         step = _step_of(name)
-        if step is not None and os.path.exists(os.path.join(root, name, "manifest.json")):
+        if step is not None and any(os.path.exists(os.path.join(root, name, marker))
+                                    for marker in ("manifest.json", DCP_MARKER)):
             found[step] = os.path.join(root, name)
     return found
 
@@ -2532,7 +2556,10 @@ def load_checkpoint(opt, path):
     and return its manifest (step, extra). Every rank calls this; if any rank finds a problem,
     every rank raises CheckpointError and nothing has changed. Each rank checks the hashes of
     1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N
-    times. The optimizer's hyper-parameters (lr...) are the checkpoint's."""
+    times. The optimizer's hyper-parameters (lr...) are the checkpoint's. A DCP checkpoint
+    (fsdp_demo.py's, of FSDP2): load_dcp."""
+    if path is not None and is_dcp(path):
+        return load_dcp(opt, path)
     error = ""
     try:
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
@@ -2550,29 +2577,275 @@ def load_checkpoint(opt, path):
     return manifest
 
 
+def checkpoint_tensors(manifest, parts, key="master"):
+    """(name, tensor in its shape) of each parameter of a checkpoint (read_checkpoint), one at a
+    time, of the master weights or of the optimizer state `key`: a view of a memory-mapped part,
+    or a copy where two parts hold it. What consolidate() and fsdp_demo.py stream."""
+    for i, params in enumerate(manifest["units"]):
+        S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
+        for name, shape in params:
+            yield name, _elements(parts, S, i, o, o + _numel(shape), key).view(shape)
+            o += _numel(shape)
+
+
+def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's exp_avg, exp_avg_sq
+    return list(dict.fromkeys(k for part in parts for unit in part["units"] for k in unit["state"]))
+
+
+def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
+    return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
+
+
 def consolidate(path, out):
-    """Write one plain state_dict, {key: full fp32 (or fp64) tensor} for every key of the model's
-    own state_dict(), from the sharded checkpoint in `path`: what model.load_state_dict() takes.
-    One process, no process group, any stage and world size. A checkpoint that is not right is a
-    CheckpointError, a file `out` that cannot be written a UsageError; neither leaves a file."""
+    """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor} for
+    every key of the model's own state_dict(), in three formats: `out`, a torch.save file (what
+    model.load_state_dict() and --init-from take); OUT.safetensors (OUT: `out` without .pt),
+    what Hugging Face and inference engines load; OUT.dcp, a DCP directory (dcp.load, FSDP2's,
+    and dcp_to_torch_save read it). One process, no process group, any stage and world size.
+    Streamed, one tensor at a time: each is cut from the memory-mapped parts into the
+    .safetensors file, and the other two are written from that file, memory-mapped too: no
+    moment holds the whole model in memory. A checkpoint that is not right is a
+    CheckpointError, an output that cannot be written a UsageError; neither leaves a file."""
+    import mmap
+    import torch.distributed.checkpoint as dcp
     manifest, parts = read_checkpoint(path)
+    base = out[:-3] if out.endswith(".pt") else out
+    outputs = [out, base + ".safetensors", base + ".dcp"]
     try:
-        full = dict(parts[0]["replicated"])
+        frozen, where = parts[0]["replicated"], {}
         for i, params in enumerate(manifest["units"]):
-            flat = torch.cat([part["units"][i]["master"] for part in parts])  # [N*S]: each rank's S
-            o = 0
+            S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
             for name, shape in params:
-                full[name], o = flat[o:o + _numel(shape)].view(shape).clone(), o + _numel(shape)
-        state = {key: full[name] for key, name in manifest["keys"]}
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                where[name], o = (i, o, shape, S), o + _numel(shape)
+        master = getattr(torch, manifest["dtype"]["master"].removeprefix("torch."))
+
+        def tensor(name):  # the whole tensor, from the memory-mapped parts
+            if name in frozen:
+                return frozen[name]
+            i, o, shape, S = where[name]
+            return _elements(parts, S, i, o, o + _numel(shape), "master").view(shape)
+        items = [(key, name, list(frozen[name].shape) if name in frozen else where[name][2],
+                  frozen[name].dtype if name in frozen else master)
+                 for key, name in manifest["keys"]]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
     try:
+        _atomic_write(outputs[1], lambda f: _write_safetensors(f, items, tensor))
+        # the model again, each tensor a view of the .safetensors file's pages (mapped
+        # copy-on-write: writable, as torch.frombuffer wants, and nothing written back)
+        with open(outputs[1], "rb") as f:
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        start, views = 8 + int.from_bytes(pages[:8], "little"), {}
+        for key, name, shape, dtype, (a, b) in _safetensors_offsets(items):
+            if name not in views:  # a tied weight: one tensor under both keys, as state_dict()
+                views[name] = torch.frombuffer(pages, dtype=dtype, count=_numel(shape),
+                                               offset=start + a).view(shape) if b > a else \
+                    torch.zeros(shape, dtype=dtype)
+        state = {key: views[name] for key, name, _, _ in items}
         _atomic_write(out, lambda f: torch.save(state, f))
+        tmp = outputs[2] + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        _commit_dcp(tmp, outputs[2], {k: manifest[k] for k in ("step", "stage", "world_size")} |
+                    {"optimizer": None, "extra": manifest["extra"]})
     except (OSError, RuntimeError) as e:
+        for o in outputs:
+            _remove_quietly(o)
+        shutil.rmtree(outputs[2], ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        raise UsageError(f"{out}: cannot be written ({reason})") from None
+        raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
+                         f"({reason})") from None
     return manifest
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _safetensors_offsets(items):  # (key, name, shape, dtype, [start, end) in the data)
+    o = 0
+    for key, name, shape, dtype in items:
+        n = _numel(shape) * dtype.itemsize
+        yield key, name, shape, dtype, (o, o + n)
+        o += n
+
+
+def _write_safetensors(f, items, tensor):
+    """The safetensors format, written by hand, tensor by tensor: a little-endian u64, the size
+    of a JSON header (every key's dtype, shape and byte range), the header, then the bytes.
+    (safetensors' own save_file() takes every tensor at once, in memory.)"""
+    header = {"__metadata__": {"format": "pt"}}
+    for key, _, shape, dtype, offsets in _safetensors_offsets(items):
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
+                       "data_offsets": list(offsets)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(len(text).to_bytes(8, "little") + text)
+    for key, name, _, dtype in items:
+        f.write(tensor(name).contiguous().view(torch.uint8).numpy().data)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same run under FSDP2 and back: torch.distributed.checkpoint (DCP). fsdp_demo.py writes its
+# checkpoints with DCP, as torchtitan does; zero.py continues them (load_dcp), and fsdp_demo.py
+# continues zero.py's (its Torch.load_checkpoint). Keys, as torch.distributed.checkpoint's
+# state_dict API gives them: model.<key> for each key of the model's state_dict(), and
+# optimizer.state.<name>.<exp_avg | exp_avg_sq | step> for each parameter, by name.
+#
+#   DIR/step_00000010/__0_0.distcp ... __3_0.distcp   each rank's shards, DCP's own files
+#   DIR/step_00000010/.metadata                       DCP's index: each tensor's shape, and which
+#                                                     file holds which of its rows (a pickle)
+#   DIR/step_00000010/complete.json                   step, stage, N, hyper-parameters, data
+#
+# Both sides agree on the model's coordinates, names and shapes, not on how a rank's shard is
+# cut: FSDP2 cuts every parameter on dim 0, zero.py one flat buffer per unit. So a reader asks
+# DCP for whole tensors by name and cuts its own elements out of them (load_values).
+# DCP writes in place, so a save goes into step_00000010.partial, then complete.json, then one
+# rename: a directory without complete.json is torn (a save killed midway) and is never chosen.
+# DCP's .metadata is a pickle, unlike zero.py's parts: load DCP checkpoints that you trust.
+
+DCP_FORMAT = "zero.py DCP checkpoint, version 1"
+DCP_MARKER = "complete.json"
+
+
+def is_dcp(path):
+    return not os.path.exists(os.path.join(path, "manifest.json")) and any(
+        os.path.exists(os.path.join(path, f)) for f in (".metadata", DCP_MARKER))
+
+
+def checkpoint_path(path):
+    """path itself if it is a checkpoint of either format, else the newest complete one in it."""
+    if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
+        return path
+    found = latest_checkpoint(path) if os.path.isdir(path) else None
+    if found is None:
+        raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
+                              "DCP's .metadata), and no complete checkpoint in it")
+    return found
+
+
+def _commit_dcp(tmp, path, info):
+    """Rank 0, once DCP has written every rank's files into tmp: the marker, then the rename."""
+    _atomic_write(os.path.join(tmp, DCP_MARKER),
+                  lambda f: f.write(_json_lines({"format": DCP_FORMAT, **info}).encode()))
+    if os.path.exists(path):  # the same step again: the old one goes once the new one is whole
+        os.replace(path, path + ".old")
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+def save_dcp(state, root, step, info, device, keep=2):
+    """dcp.save(state) as checkpoint `step` under root, in fsdp_demo.py's training: every rank
+    calls it (a collective), and writes its own shards. info: what complete.json records."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(root, f"step_{step:08d}")
+    tmp, error = path + ".partial", ""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
+    dist.barrier()
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
+        if dist.get_rank() == 0:
+            _commit_dcp(tmp, path, {"step": step, **info})
+            with contextlib.suppress(OSError, CheckpointError):
+                _rotate(root, step, keep)
+    except (OSError, RuntimeError) as e:
+        error = f"rank {dist.get_rank()}: {str(e).splitlines()[0][:300]}"
+    error = _first_error(error, device)
+    if error:
+        raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written before "
+                              "it are intact")
+
+
+def read_dcp(path):
+    """complete.json, and {key: (shape, dtype)} of every tensor, of the DCP checkpoint in `path`,
+    checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
+    Reads the index only, no tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+    marker = os.path.join(path, DCP_MARKER)
+    _regular_size(marker, "missing: the DCP checkpoint is torn (a save killed midway?)")
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # (an unreadable marker, or DCP's index missing or not one)
+        raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if not isinstance(info, dict) or info.get("format") != DCP_FORMAT or \
+            not _count(info.get("step")) or not isinstance(info.get("extra"), dict):
+        raise CheckpointError(f"{marker}: not a {DCP_FORMAT!r} marker")
+    ends = Counter()  # each file's length that the index needs
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends[item.relative_path], item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
+        if size < end:
+            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
+                                  f"{end}: truncated, the checkpoint is torn")
+    tensors = {k: (list(v.size), v.properties.dtype)
+               for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+    return info, tensors
+
+
+def check_dcp(model, optimizer, info, tensors, path):
+    """Raise CheckpointError unless the DCP checkpoint (read_dcp) is one of this model, with
+    this optimizer's per-parameter state. Returns {parameter name: [its optimizer's keys]}."""
+    keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
+                if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
+    if not info.get("optimizer") or not any(keys.values()):
+        raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
+                              "needs it; start from weights with --init-from")
+    here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
+    if info["optimizer"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
+                              f"run has {type(optimizer).__name__}")
+    return keys
+
+
+def load_dcp(zero, path):
+    """load_checkpoint() for a DCP checkpoint, whatever FSDP2's N, stage and mesh that wrote it.
+    Each rank asks DCP only for the tensors of the parameters its elements are in (DCP then reads
+    only their rows' bytes, from each writer's file), and cuts its elements out of them."""
+    import torch.distributed.checkpoint as dcp
+    error, loaded = "", {}
+    try:
+        info, tensors = read_dcp(path)
+        keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
+        names = {p: n for n, p in zero.model.named_parameters()}
+        want = [f"model.{n}" for n, _ in replicated(zero.model)]
+        for u in zero.units:
+            for p in u.params:
+                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
+                    want += [f"model.{names[p]}",
+                             *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
+        loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
+        dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # DCP's own errors: a file it cannot read
+        error = f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+    error = _first_error(error[:500], zero.units[0].flat.device)  # every rank, before any change
+    if error:
+        raise CheckpointError(error)
+    per_element = {k for n, ks in keys.items() for k in ks
+                   if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
+    scalars = {}  # Adam's step count: a tensor of shape [] per parameter
+    for n, ks in keys.items():
+        if f"model.{n}" in loaded and ks:
+            scalars[n] = {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
+
+    def read(name, lo, hi, key):
+        t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
+        return t.reshape(-1)[lo:hi]
+    load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
+                {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
+    return info
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2733,19 +3006,26 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                               f"{args.grad_accum} micro-batch(es)")]))
     # Resume: the newest complete checkpoint, whatever stage and world size wrote it, as rank 0
-    # sees it (choose_checkpoint). The data position is the step: get_batch() draws step k's
+    # sees it (choose_checkpoint); if --ckpt-dir has none, --resume-from's, of either format
+    # (zero.py's or DCP's). The data position is the step: get_batch() draws step k's
     # global batch from a generator seeded by k. The checkpoint's hyper-parameters are loaded
     # with its state, then --lr is applied: the command line has the last word.
     first, ckpt = 1, getattr(args, "ckpt_dir", None)
     found = choose_checkpoint(ckpt, device) if ckpt else None
+    if not found and getattr(args, "resume_from", None):
+        found = checkpoint_path(args.resume_from)
+    # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
+    load = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))
+    save = getattr(opt, "save_checkpoint", functools.partial(save_checkpoint, opt))
     if found:
-        manifest = load_checkpoint(opt, found)
+        manifest = load(found)
         first = manifest["step"] + 1
         loaded_lr = opt.optimizer.param_groups[0]["lr"]
         for group in opt.optimizer.param_groups:
             group["lr"] = args.lr
         log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
             f"by {manifest['world_size']} rank(s)" +
+            (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
             (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
              not in (0, manifest["world_size"]) else "") +
             (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
@@ -2821,7 +3101,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + ("" if finite else " | not finite: skipped, the weights are unchanged"))
         if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
-            save_checkpoint(opt, ckpt, step, extra={"data": data_position(args, world)})
+            save(ckpt, step, extra={"data": data_position(args, world)})
             last_good = os.path.join(ckpt, f"step_{step:08d}")
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
@@ -2837,7 +3117,8 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
         [build_peak.get(k, -1) for k in kinds] + [runtime, used]
     ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
-    return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "losses": losses,
+    return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
+            "losses": losses,
             "times": times, "sent": sent,
             "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
             "mem": dict(zip(kinds, most[:3])),
@@ -3287,6 +3568,10 @@ def training_parser(description):
     p.add_argument("--init-from", metavar="FILE",
                    help="start from a plain state_dict file, e.g. from --consolidate "
                         "(default: a fresh model)")
+    p.add_argument("--resume-from", metavar="DIR",
+                   help="continue the run of a checkpoint, zero.py's or FSDP2's (DCP), of any "
+                        "stage and world size: DIR, or the newest in DIR; a checkpoint in "
+                        "--ckpt-dir comes first (default: none)")
     p.add_argument("--max-memory", type=memory_size, metavar="SIZE",
                    help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its "
                         "runtime, enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on "
@@ -3311,6 +3596,8 @@ def check_args(args):
     if not 0 <= args.bucket_mb * 2**20 < float("inf"):
         raise UsageError("--bucket-mb must be 0 (one bucket per unit) or a positive number, "
                          f"not {args.bucket_mb}")
+    if args.init_from and args.resume_from:
+        raise UsageError("--init-from starts a run, --resume-from continues one: not both")
     if not 0 <= args.seed < SEEDS:
         raise UsageError(f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}")
     if not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1]:
@@ -3385,12 +3672,15 @@ def main(argv=None):
                                                       else f"no directory {where}"))
         found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
         path = args.consolidate if found else latest_checkpoint(args.consolidate)
-        if path is None:
-            raise CheckpointError(f"{args.consolidate}: no complete checkpoint (no manifest.json)")
+        if path is None or is_dcp(path):
+            raise CheckpointError(f"{args.consolidate}: no complete checkpoint of zero.py's (no "
+                                  "manifest.json)" + (": DCP's is read by dcp_to_torch_save"
+                                                      if path else ""))
         m = consolidate(path, args.out)
-        print(f"wrote {args.out}: {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
-              f"(written at stage {m['stage']} by {m['world_size']} rank(s), "
-              "fp32 master weights)")
+        base = args.out[:-3] if args.out.endswith(".pt") else args.out
+        print(f"wrote {args.out}, {base}.safetensors and {base}.dcp: {len(m['keys'])} tensors, "
+              f"Ψ = {m['psi']:,}, step {m['step']} (written at stage {m['stage']} by "
+              f"{m['world_size']} rank(s), fp32 master weights)")
     elif args.largest_model:
         largest_model(args)
     elif args.timeline_all:
