@@ -59,6 +59,11 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_unused_parameters_and_out_of_place_accumulation; checkpoints stay exact:
   test_parameters_stepped_apart_checkpoint_exactly; refused by name when unfrozen after wrap:
   test_a_parameter_unfrozen_after_wrap_is_refused_by_name.
+- torch's gradient conventions: .grad None after backward where unused, the mean after step() where
+  another rank used it (stages 0, 1): test_an_unused_parameters_grad_is_none_as_in_torch;
+  zero_grad(set_to_none=False) keeps zeros that are stepped, model.to()/.float()/.half() work or are
+  refused in one line: test_torch_gradient_conventions_and_conversions,
+  test_unused_parameters_and_out_of_place_accumulation.
 - Sparse gradients are refused by name, at wrap or in backward: test_sparse_gradients_are_refused_by_name.
 - What breaks, and why (mistakes.py): each mistake shows its symptom, by a margin rounding cannot
   reach, and the right code beside it does not: test_each_mistake_shows_its_symptom_and_the_right_code_does_not;
@@ -865,8 +870,9 @@ class Sometimes(nn.Module):
         return self.last(h)
 
 
-def sometimes_steps(model, opt, rows, world, create_graph):
-    # 4 steps of 2 micro-batches; on even steps model.zero_grad() too (every p.grad None).
+def sometimes_steps(model, opt, rows, world, create_graph, set_to_none=True):
+    # 4 steps of 2 micro-batches; on even steps model.zero_grad() too (every p.grad None), or
+    # set_to_none=False throughout: a .grad of zeros is a gradient, which torch steps.
     for step in range(4):
         model.step = step
         for micro in range(2):
@@ -875,8 +881,8 @@ def sometimes_steps(model, opt, rows, world, create_graph):
             with opt.no_sync() if hasattr(opt, "no_sync") and micro == 0 else contextlib.nullcontext():
                 F.cross_entropy(model(x), y).div(2).backward(create_graph=create_graph)
         opt.step()  # the reference: plain torch, which skips a parameter whose .grad is None
-        opt.zero_grad()
-        if step % 2 == 0:
+        opt.zero_grad(set_to_none=set_to_none)
+        if step % 2 == 0 and set_to_none:
             model.zero_grad()
 
 
@@ -893,6 +899,10 @@ def sometimes(rank, world):
                 opt = zero.wrap(model, stage, optimizer, units=[model.first, model.mid, model.extra, model.last])
                 sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, create_graph)
                 out[(stage, create_graph, name)] = opt.full_state_dict()
+        model = Sometimes()  # zero_grad(set_to_none=False)
+        opt = zero.wrap(model, stage, SOMETIMES_OPTIMIZERS["adamw"], units=[model.first, model.mid, model.extra, model.last])
+        sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, False, set_to_none=False)
+        out[(stage, "zeros", "adamw")] = opt.full_state_dict()
     return out
 
 
@@ -902,15 +912,18 @@ def test_unused_parameters_and_out_of_place_accumulation(world2):
     # create_graph=True) is copied over last step's values, and a parameter that gets none has its
     # values zeroed. Wrong either way, these runs would differ from the reference. A parameter
     # unused in a step is not stepped at all, as plain torch skips it (AdamW's decay would show).
+    # zero_grad(set_to_none=False) keeps zeros, which both step (AdamW decays a parameter unused).
     world, want = 2, {}
-    for name, optimizer in SOMETIMES_OPTIMIZERS.items():
+    for name, optimizer in [*SOMETIMES_OPTIMIZERS.items(), ("zeros", SOMETIMES_OPTIMIZERS["adamw"])]:
         model = Sometimes()
-        sometimes_steps(model, optimizer(model.parameters()), slice(None), world, False)
+        sometimes_steps(model, optimizer(model.parameters()), slice(None), world, False, set_to_none=name != "zeros")
         want[name] = {n: p.detach() for n, p in model.named_parameters()}
+    assert (want["zeros"]["extra.weight"] - want["adamw"]["extra.weight"]).abs().max() > 1e-4  # they differ
     for res in world2:
         for (stage, create_graph, opt_name), got in res["sometimes"].items():
             for name, t in got.items():
-                assert (t - want[opt_name][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
+                key = "zeros" if create_graph == "zeros" else opt_name
+                assert (t - want[key][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1024,9 +1037,10 @@ def tasks(rank, world):
 
         def around_step(step, do):
             rec["gathered"].append(any(u.gathered for u in opt.units if u.modules))  # after backward
-            before = snapshot(opt)
+            before, none = snapshot(opt), {n for n, p in model.named_parameters() if p.grad is None}
             do()
             rec["around"][step] = (before, snapshot(opt))
+            rec.setdefault("grad None", {})[step] = (none, {n for n, p in model.named_parameters() if p.grad is None})
         tasks_steps(model, opt, rows, world, range(4), around_step)
         rec["full"] = opt.full_state_dict()
         out[(stage, str(kwargs))] = rec
@@ -1092,6 +1106,21 @@ def test_unused_and_frozen_parameters_are_not_stepped_as_in_torch(tasks_runs):
                     assert rec["gathered"] == [False] * 4
 
 
+def test_an_unused_parameters_grad_is_none_as_in_torch(tasks_runs):
+    # After backward, .grad is None for what this rank did not use (stages 2 and 3: for every
+    # parameter, their gradients live in shards); after step() at stages 0 and 1, for what no rank
+    # used only, as DDP: `rare`, used on one rank at steps 1 and 3, shows the mean on the other.
+    for world, results in zip((2, 4), tasks_runs):
+        names = set(tasks_reference(world))
+        for rank, res in enumerate(results):
+            for key, rec in res.items():
+                for step, (after_backward, after_step) in rec.get("grad None", {}).items() if key != "resumed" else ():
+                    rare = {"rare.weight", "rare.bias"}
+                    here = any(i % (world * B) // B == rank for i in RARE_ROWS[step])
+                    want = (names, names) if key[0] >= 2 else (UNUSED[step] | (set() if here else rare), UNUSED[step])
+                    assert (after_backward, after_step) == want, (world, rank, key, step)
+
+
 def test_parameters_stepped_apart_checkpoint_exactly(tasks_runs, shared):
     # Stage 3 -> stage 1 -> stage 0, where parameters have no optimizer state (step 1: aux and
     # rare never got a gradient) or another step count than the rest (step 3): each parameter's
@@ -1152,6 +1181,44 @@ def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(one_rank):
     assert str(e.value).startswith("zero: 0.weight was frozen at wrap() and requires grad now")
     assert "wrap it again" in str(e.value)
     assert all(torch.equal(t, opt.full_state_dict()[n]) for n, t in before.items())
+
+
+class Three(nn.Sequential):
+    def forward(self, x, use_middle):
+        return self[2](self[1](self[0](x)) if use_middle else self[0](x))
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_torch_gradient_conventions_and_conversions(one_rank, stage):
+    # As plain torch: an unused parameter's .grad is None after backward; zero_grad(set_to_none=False)
+    # leaves zeros, which backward adds to and AdamW steps (the middle layer, used at step 0 only,
+    # decays at step 1). model.to()/.float()/.half() work where they change nothing and are
+    # refused in one line where they would convert a unit's parameters.
+    def build():
+        torch.manual_seed(3)
+        return Three(nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, V))
+    plain, model = build(), build()
+    ref = TASKS_OPTIMIZER(plain.parameters())
+    opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[model[0], model[1]])
+    for bad in (model.half, functools.partial(model.to, torch.float64), model[1].double):
+        with pytest.raises(RuntimeError) as e:
+            bad()
+        assert str(e.value).startswith("zero: converting the wrapped model would make ") and "\n" not in str(e.value)
+        assert "before wrap()" in str(e.value)
+    model.to("cpu").float().to(torch.float32)  # nothing to convert: fine
+    x = torch.randn(B, D)
+    for step in range(3):  # zero_grad(set_to_none=False) after step 0 only
+        for m, o in ((plain, ref), (model, opt)):
+            m(x * (step + 1), use_middle=step == 0).square().sum().backward()
+            if step > 0:  # the middle layer unused: zeros kept at step 1, None at step 2 (as torch)
+                assert (m[1].weight.grad is None) == (step == 2 or o is opt and stage >= 2)
+                assert (m[0].weight.grad is None) == (o is opt and stage >= 2)
+            o.step()
+            o.zero_grad(set_to_none=step > 0)
+        if step == 0 and stage < 2:  # zeros kept as views, as torch keeps its tensors
+            assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    for name, t in opt.full_state_dict().items():
+        assert torch.allclose(t, dict(plain.named_parameters())[name], atol=1e-6), name
 
 
 class SparseLookup(nn.Module):

@@ -124,9 +124,10 @@ class Unit:
         self.grad_shard = None        # [S] the gradient of what it steps: the sum over ranks / N
         # Bookkeeping: what backward has done so far, and stage 3's gathers.
         self.arrived = 0         # its parameters given a gradient in this backward
-        self.received = set()    # ... and those given one since zero_grad()
+        self.received = set()    # ... and those given one since zero_grad() (or zeros it kept)
         self.unreduced = False   # it holds local gradients that no reduction has summed yet
         self.divided = False     # this backward's gradients were divided by N as copied in
+        self.hidden = set()      # stages 0, 1: unused here, its mean not shown (zero_unused_grads)
         self.users, self.gathered_at, self.prefetch = 0, 0, None  # stage 3 (ZeRO3._gather)
         self.index = None        # its place in the model's list of units (make_units)
 
@@ -178,9 +179,8 @@ class DataParallel:
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, init=None, **settings):
         self.model, self.rank = model, dist.get_rank()
-        # wrap()'s settings, the units (default_units: one per block), every rank checked to have
-        # the same (Part II). self.N: the ranks a unit is cut over, gradients averaged by: all
-        # of them (with hybrid sharding, G ranks: see hybrid_groups).
+        # wrap()'s settings, the units (default_units: one per block), the same on every rank
+        # (Part II). self.N: the ranks a unit is cut over, gradients averaged by (hybrid: G).
         self.units = configure(self, model, units, param_dtype, settings)
         for unit in materialize(self, init):  # (a meta-device model: allocated unit by unit)
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
@@ -223,7 +223,10 @@ class DataParallel:
         # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
-        if p.grad.data_ptr() != view.data_ptr():
+        if p in unit.hidden:  # its slice holds a mean p.grad did not show: add to it, as torch
+            view.add_(p.grad.detach(), alpha=1 / self.N if unit.divided else 1)
+            unit.hidden.discard(p)
+        elif p.grad.data_ptr() != view.data_ptr():
             if unit.divided:
                 torch.mul(p.grad.detach(), 1 / self.N, out=view)
             else:
@@ -234,8 +237,7 @@ class DataParallel:
         if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
             self._reduce_unit(unit)
 
-    def _reduce_in_backward(self):
-        return self.overlap and self._sync  # stages 0 and 1 reduce in backward only to overlap
+    def _reduce_in_backward(self): return self.overlap and self._sync  # stages 0, 1: to overlap
 
     def _end_of_backward(self):
         # Once autograd finishes a backward: units with a parameter unused (no gradient) are
@@ -276,6 +278,7 @@ class DataParallel:
         self.in_flight.land()
         # The ranks reduced the same units (checks); the parameters some rank gave a gradient:
         self.with_grad = check_step_agrees(self)  # the others are not stepped (.grad None)
+        show_means(self)  # stages 0, 1: p.grad of those unused here and used elsewhere (checks)
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -284,8 +287,7 @@ class DataParallel:
                             for u in self.units]).sum()
 
     def clip_grad_norm_(self, max_norm):
-        """Scale gradients to a global L2 norm of at most max_norm, as torch's clip_grad_norm_
-        on the unsharded model. Returns the norm before."""
+        """torch's clip_grad_norm_ on the unsharded model: returns the global norm before."""
         self._reduce_grads()
         norm = self._sum_of_squares().sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # eps added once, to the global norm
@@ -309,15 +311,15 @@ class DataParallel:
 
     def _gather_params(self): pass  # stage 0: every rank stepped the whole model, all is here
 
-    def zero_grad(self, set_to_none=True):  # (as torch's; the buffers' values do not matter)
+    def zero_grad(self, set_to_none=True):  # as torch's: .grad None, or zeros (set_to_none=False)
         for u in self.units:
-            if self.keeps_full_grads:  # as DDP, no pass over the buffer: the next backward's
-                for p in u.params:     # gradients overwrite it, what none does is zeroed
-                    p.grad = None
-            else:
-                u.grad_shard.zero_()
-            u.unreduced = False
-            u.received.clear()
+            if self.keeps_full_grads and set_to_none:  # as DDP, no pass over the buffer: the
+                for p in u.params:  # next backward's gradients overwrite it, zero_unused_grads
+                    p.grad = None   # zeroes what none does
+            else:  # zeros, which backward adds to in place (stages 2, 3: grad_shard; .grad None)
+                (u.grad_shard if u.grad is None else u.grad).zero_()
+            u.unreduced, u.hidden = False, set()
+            u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
     # The rest of the interface, in Part II: measurement, checkpoints, meta-device models.
@@ -627,6 +629,7 @@ def configure(zero, model, units, param_dtype, settings):
     zero.in_flight, zero.meter = InFlight(zero), Meter(zero)  # (speed; measurement)
     check_ranks_agree(zero, param_dtype)  # every rank has the same model and settings
     zero.shard_group, zero.replica_group = hybrid_groups(zero)  # without hybrid: None, None
+    guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
     return zero.units
 
 # ----------------------------------------------------------------------------------------------
@@ -1814,14 +1817,55 @@ def check_gradient(zero, p):
 
 def zero_unused_grads(zero, unit):
     """Stages 0 and 1, before a unit is reduced: a parameter with no gradient since zero_grad()
-    (unused) still has last step's values in its slice of the buffer: zero them. Another rank
-    may have one (the mean counts this rank's as zero; if none has, step() does not step it),
-    so p.grad becomes the view like any other: reduced, it holds that mean, which a later
-    backward adds to, not replaces."""
+    (unused here) still has last step's values in its slice of the buffer: zero them, so that
+    the reduction counts this rank's as zero. Its .grad stays None, as torch leaves it; the
+    slice, once reduced, holds the mean over the ranks, which a later backward adds to
+    (unit.hidden: DataParallel._on_grad) and step() or clip_grad_norm_() shows as p.grad if
+    some rank used p (show_means), as DDP does. Between backward and step() it is not shown:
+    whether another rank used p is known only then (check_step_agrees). A .grad of zeros that
+    zero_grad(set_to_none=False) kept is a gradient, stepped as torch steps it (unit.received)."""
     if zero.keeps_full_grads:
         for p in unit.params:
-            if p.grad is None:
-                p.grad = unit.view(unit.grad, p).zero_()
+            if p.grad is None and p not in unit.hidden:
+                unit.view(unit.grad, p).zero_()
+                unit.hidden.add(p)
+                unit.received.discard(p)  # (a .grad of zeros kept by zero_grad, set to None since)
+
+
+def show_means(zero):
+    """After the per-step check: p.grad of each parameter this rank did not use is the mean it
+    holds in the buffer if some rank used it, None (as torch) if none did. (Stages 0, 1.)"""
+    for u in zero.units:
+        for p in u.hidden & zero.with_grad:
+            p.grad = u.view(u.grad, p)
+            u.received.add(p)  # (it has a .grad: zero_grad(set_to_none=False) keeps it)
+        u.hidden.clear()
+
+
+def guard_conversions(model):
+    """model.to(dtype or device), .float(), .half(), .cuda()... after wrap(): torch would set each
+    parameter's .data to a converted copy, so that the model computes with tensors that are no
+    longer views of the units zero.py reduces, steps and (stage 3) gathers, and trains silently
+    wrong, or at stage 3 reads freed memory. Refused, saying what to do instead; a conversion
+    that leaves the units' parameters as they are (to their own dtype and device) still converts
+    the rest (buffers, frozen parameters)."""
+    names = {p: n for n, p in model.named_parameters()}
+    for module in model.modules():
+        module._apply = functools.partial(_convert, module._apply, names)
+
+
+def _convert(apply, names, fn, recurse=True):
+    for p, name in names.items():
+        if hasattr(p, "_zero_unit"):
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
+            if (probe.dtype, probe.device) != (p.dtype, p.device):
+                raise RuntimeError(
+                    f"zero: converting the wrapped model would make {name} {probe.dtype} on "
+                    f"{probe.device}, outside the flat buffers zero.py trains: build the model "
+                    "in that dtype and on that device before wrap() (mixed precision: "
+                    "wrap(param_dtype=...))")
+    with torch._C.DisableTorchFunctionSubclass():  # (stage 3: p itself, not its values)
+        return apply(lambda t: t if hasattr(t, "_zero_unit") else fn(t), recurse)
 
 
 def sparse_gradient_error(zero, p):
