@@ -23,7 +23,8 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   (that those comparisons can fail), test_cli_every_stage_gives_the_same_losses (the demo GPT).
 - Memory = formula: test_memory_matches_formula, test_mixed_precision_memory_matches_the_paper,
   test_sharded_state_is_never_whole, test_peak_follows_every_change, test_dropped_models_are_freed,
-  test_estimate_reproduces_the_paper, test_cli_trains_under_torchrun (the printed tables).
+  test_estimate_reproduces_the_paper (also --stage, --ckpt-dir refused, Ψ = 1e30 in the columns),
+  test_cli_trains_under_torchrun (the printed tables).
 - Communication = formula: test_communication_matches_formula, test_mixed_precision_communication,
   test_every_backward_may_reduce, test_buckets_merge_and_split_units_and_change_nothing_else,
   test_each_way_of_reducing_trains_the_same, test_direct_exchange_equals_the_native_collectives,
@@ -78,6 +79,7 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   test_nonfinite_steps_are_never_applied_nor_saved, test_resume_applies_the_command_lines_lr,
   test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names,
   test_a_failed_manifest_write_leaves_the_previous_checkpoint, test_the_manifest_is_data,
+  test_overwriting_a_checkpoint_of_the_same_step_is_atomic,
   test_bad_flags_are_one_line.
 - The memory timeline: test_timeline_events_are_what_memory_breakdown_measures,
   test_timeline_svg_has_one_band_per_kind_and_stage, test_timeline_text_fits_100_columns,
@@ -1451,6 +1453,15 @@ def test_estimate_reproduces_the_paper():
     assert rows[3][0] == 15.0 and rows[3][2] == 1.641e9 and rows[0][2] == 1.477e10
     with pytest.raises(zero.UsageError, match="--shard-size 7 does not divide --world-size 64"):
         zero.main(["--estimate", "--params", "7.5e9", "--world-size", "64", "--shard-size", "7"])
+    # --stage: that stage's row alone, and its communication; --ckpt-dir refused; Ψ = 1e30 fits
+    out = main_printed(zero.main, ["--estimate", "--params", "7.5e9", "--world-size", "64", "--stage", "1"])
+    assert estimate_rows(out) == {1: (31.4, 1.477e10, 0.0)} and "2Ψ(N-1)/N for stage 1" in out
+    with pytest.raises(zero.UsageError, match="^--ckpt-dir is for training: --estimate trains nothing$"):
+        zero.main(["--estimate", "--params", "7.5e9", "--world-size", "64", "--ckpt-dir", "x"])
+    out = main_printed(zero.main, ["--estimate", "--params", "1e30", "--world-size", "64"])
+    table = out.splitlines()[4:9]
+    assert len({len(line) for line in table}) == 1 and len(table[0]) <= 100, table  # the columns hold
+    assert [float(line.split()[-4]) for line in table[1:]] == [2e22, 4e21, 2e21, 3e20]  # total, GB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2749,6 +2760,37 @@ def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_pa
     zero.load_checkpoint(opt, zero.latest_checkpoint(str(root)))
     with pytest.raises(zero.CheckpointError, match="no checkpoint path was given"):
         zero.load_checkpoint(opt, None)
+
+
+def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path, monkeypatch):
+    # Step 1 saved twice, with other weights: the second is written whole beside the first and
+    # takes its name in one rename; until then step_00000001 is the first, whole. A failed
+    # overwrite leaves the first as it was.
+    root = str(tmp_path / "ckpt")
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    zero.save_checkpoint(opt, root, 1)
+    first = opt.full_state_dict()
+    run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1)
+    second = opt.full_state_dict()
+    seen, exchange = [], zero._exchange
+
+    def watched(new, old):  # the moment before the new one takes the name: the old one is whole
+        seen.append(zero.read_checkpoint(old)[1][0]["units"][0]["master"].clone())
+        exchange(new, old)
+    monkeypatch.setattr(zero, "_exchange", watched)
+    zero.save_checkpoint(opt, root, 1)
+    assert len(seen) == 1 and sorted(os.listdir(root)) == ["step_00000001"]
+    fresh = wrapped(0, 1, "adamw", seed=500)[1]
+    zero.load_checkpoint(fresh, zero.latest_checkpoint(root))
+    assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
+    assert not torch.equal(seen[0], zero.read_checkpoint(os.path.join(root, "step_00000001"))[1][0]["units"][0]["master"])
+    monkeypatch.setattr(zero, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
+    run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1, start=1)
+    with pytest.raises(zero.CheckpointError, match="^step 1 not saved: rank 0: .*No space left"):
+        zero.save_checkpoint(opt, root, 1)
+    zero.load_checkpoint(fresh, zero.latest_checkpoint(root))
+    assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
+    assert first.keys() == second.keys()
 
 
 def unblock_after(fifo, seconds=20):

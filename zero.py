@@ -1399,9 +1399,10 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
     return out
 
 
-def estimate(psi, world, shard_size=None):
-    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks;
-    and the elements each rank sends per step, inside its group of G and across the groups."""
+def estimate(psi, world, shard_size=None, stages=range(4)):
+    """Per-rank model-state memory for each stage (or those in `stages`), from the formula
+    alone: no model, no ranks; and the elements each rank sends per step, inside its group of G
+    and across the groups."""
     G = shard_size or world
     print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
           f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks"
@@ -1409,20 +1410,33 @@ def estimate(psi, world, shard_size=None):
           + ",\nmixed-precision Adam: 2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n")
     print(f"{'stage':<27} {'params':>9} {'grads':>9} {'optimizer':>9} {'total':>9}  "
           f"{'sent, in group':>14} {'across groups':>14}")
-    for stage in range(4):
+    for stage in stages:
         m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12, G).items()}
         sent = comm_formula(stage, psi, world, 1, 1, shard_size=G)
         across = sent.pop("all_reduce across groups", 0)
         inside = sum(sent.values()) if stage or G == world else 0
         across += 0 if stage or G == world else sum(sent.values())  # stage 0: all-reduce over N
-        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} {m['params']:>6.2f} GB "
-              f"{m['grads']:>6.2f} GB {m['optimizer']:>6.2f} GB {sum(m.values()):>6.1f} GB  "
-              f"{inside:>14.4g} {across:>14.4g}")
-    print("\nsent: elements per rank per step (ring algorithms): 2Ψ(N-1)/N for stages 0-2, "
-          "3Ψ(N-1)/N for stage 3" + (";\nwith G < N the reduce-scatters and all-gathers run "
-                                     "inside a group of G, and each shard's all-reduce\n"
-                                     "crosses the groups (stage 0's all-reduce runs over all "
-                                     "N)" if G < world else ""))
+        gb = [_fit(m[k], 2) for k in ("params", "grads", "optimizer")] + [_fit(sum(m.values()), 1)]
+        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} "
+              + " ".join(f"{x:>6} GB" for x in gb) + f"  {inside:>14.4g} {across:>14.4g}")
+    ring = "2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3" if len(stages) == 4 else \
+        ", ".join(f"{3 if s == 3 else 2}Ψ(N-1)/N for stage {s}" for s in stages)
+    print(f"\nsent: elements per rank per step (ring algorithms): {ring}"
+          + (";\nwith G < N the reduce-scatters and all-gathers run "
+             "inside a group of G, and each shard's all-reduce\n"
+             "crosses the groups (stage 0's all-reduce runs over all "
+             "N)" if G < world else ""))
+
+
+def _fit(x, decimals, width=6):
+    """x with `decimals` decimals, or in fewer significant digits where that is wider than
+    `width` (Ψ = 1e30): the table's columns hold."""
+    text = f"{x:.{decimals}f}"
+    for digits in (3, 2, 1):
+        if len(text) <= width:
+            break
+        text = f"{x:.{digits}g}"
+    return text if len(text) <= width else f"{x:.0e}"
 
 
 # The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
@@ -2216,6 +2230,26 @@ def _atomic_write(path, write):
     _fsync_dir(os.path.dirname(path))  # and so is the rename
 
 
+def _exchange(a, b):
+    """Swap the names of directories a and b in one step: Linux's renameat2(RENAME_EXCHANGE),
+    so that b is at every moment either the old directory or the new one, whole. Where the
+    system has no such call: two renames, between which b is briefly missing (its old contents
+    whole at a)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):
+        AT_FDCWD, RENAME_EXCHANGE = -100, 2
+        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b),
+                          RENAME_EXCHANGE) == 0:
+            return _fsync_dir(os.path.dirname(b))
+        if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
+    os.rename(b, a + ".old")
+    os.rename(a, b)
+    os.rename(a + ".old", a)
+    _fsync_dir(os.path.dirname(b))
+
+
 def _is_temporary(name):
     """A name _atomic_write gives its temporary files: NAME.tmp<pid>."""
     stem, _, pid = name.rpartition(".tmp")
@@ -2380,11 +2414,20 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
-    path = os.path.join(root, f"step_{step:08d}")
+    final = path = os.path.join(root, f"step_{step:08d}")
+    device = opt.units[0].flat.device
+    # Overwriting a complete checkpoint of the same step: the new one is written whole beside it
+    # and then takes its name in one rename (_exchange), so that the old one stays whole until
+    # the new one is complete. (Every rank sees the same: no manifest is written before the
+    # all-gather below. Rank 0 clears what a killed overwrite may have left, then a barrier.)
+    if os.path.exists(os.path.join(final, "manifest.json")):
+        path = final + ".tmp0"  # (a temporary name: _is_temporary, never a step: _step_of)
+        if opt.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _first_error("", device)
     q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
     name = os.path.join(path, f"rank_{q:05d}.pt")
     manifest_path = os.path.join(path, "manifest.json")
-    device = opt.units[0].flat.device
 
     def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
         if error:
@@ -2422,6 +2465,9 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
                     "extra": extra or {}}
         try:
             _atomic_write(manifest_path, lambda f: f.write(_json_lines(manifest).encode()))
+            if path != final:  # complete: it takes the old one's name, the old one goes
+                _exchange(path, final)
+                shutil.rmtree(path, ignore_errors=True)
         except OSError as e:
             error = f"rank 0: {manifest_path}: {e.strerror or e}"
         else:
@@ -3411,7 +3457,11 @@ def main(argv=None):
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
-        estimate(args.params, args.world_size, args.shard_size)
+        if args.ckpt_dir:
+            raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
+        stage_given = _flag_given(p, "--stage", argv)
+        estimate(args.params, args.world_size, args.shard_size,
+                 [args.stage] if stage_given else range(4))
     elif args.consolidate:
         if not args.out:
             raise UsageError("--consolidate needs --out FILE")
@@ -3437,6 +3487,15 @@ def main(argv=None):
             report(res, args)
             if args.timeline:
                 show_timeline([timeline_panel(res, args)], args.timeline)
+
+
+def _flag_given(parser, flag, argv):
+    """Whether the command line names `flag` (or an abbreviation argparse takes for it), and not
+    only its default applies."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = [a.split("=")[0] for a in argv if a.startswith("--")]
+    return any(n == flag or (parser.allow_abbrev and len(n) > 2 and flag.startswith(n))
+               for n in names)
 
 
 PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out",
