@@ -66,6 +66,8 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   refused in one line: test_torch_gradient_conventions_and_conversions,
   test_unused_parameters_and_out_of_place_accumulation.
 - Sparse gradients are refused by name, at wrap or in backward: test_sparse_gradients_are_refused_by_name.
+- Buffers (BatchNorm's running statistics), buffers="none" or "broadcast", against plain torch fed each
+  rank's rows, rank 0's, and the global batch; agreed across ranks: test_buffers_broadcast_or_kept_per_rank.
 - What breaks, and why (mistakes.py): each mistake shows its symptom, by a margin rounding cannot
   reach, and the right code beside it does not: test_each_mistake_shows_its_symptom_and_the_right_code_does_not;
   the table, --json, --list and bad input (one line, exit code 2): test_the_mistakes_lab_command_line.
@@ -553,7 +555,7 @@ def world2(pool, shared, world4):
     damage_copies(shared)  # of the checkpoint world4 wrote, for reshard_read to refuse
     return pool.run(2, ["scenarios", "sometimes", "collectives", "disagree", "reshard_read", "fsdp_scenarios",
                         "small_bench", "fsdp_bad_input", "straight", "cli_errors", "real_code",
-                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab"], shared)
+                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab", "buffers_runs"], shared)
 
 
 @pytest.fixture(scope="module")
@@ -1121,6 +1123,80 @@ def test_an_unused_parameters_grad_is_none_as_in_torch(tasks_runs):
                     here = any(i % (world * B) // B == rank for i in RARE_ROWS[step])
                     want = (names, names) if key[0] >= 2 else (UNUSED[step] | (set() if here else rare), UNUSED[step])
                     assert (after_backward, after_step) == want, (world, rank, key, step)
+
+
+class Normed(nn.Module):
+    """BatchNorm first, so that its running statistics depend on the data alone, not on weights."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.norm, self.blocks = nn.BatchNorm1d(D), nn.Sequential(nn.Linear(D, D), nn.Linear(D, V))
+
+    def forward(self, x):
+        return self.blocks(self.norm(x))
+
+
+def normed_steps(model, opt, rows, world, seen=None):
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(world * B, D, generator=g) * (step + 1) + step, torch.randint(V, (world * B,), generator=g)
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def buffers_runs(rank, world):
+    out = {}
+    for stage in range(4):
+        for buffers in ("none", "broadcast"):
+            model = Normed()
+            opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=list(model.blocks), buffers=buffers)
+            starts = []  # the buffers as each forward starts (after zero.py's broadcast, if any)
+            model.register_forward_pre_hook(lambda m, a: starts.append({n: b.clone() for n, b in model.named_buffers()}))
+            normed_steps(model, opt, slice(rank * B, (rank + 1) * B), world)
+            out[(stage, buffers)] = {"starts": starts, "end": {n: b.clone() for n, b in model.named_buffers()},
+                                     "comm": dict(opt.comm)}
+    try:
+        zero.wrap(Normed(), 0, TASKS_OPTIMIZER, buffers="broadcast" if rank else "none")
+    except ValueError as e:
+        out["disagree"] = str(e)
+    return out
+
+
+def test_buffers_broadcast_or_kept_per_rank(world2, one_rank):
+    # BatchNorm on N ranks normalizes by each rank's batch (as plain DDP without SyncBatchNorm),
+    # so no choice makes its running statistics those of plain torch on the global batch:
+    #   "none" (default): rank r's statistics are plain torch's fed rank r's rows, each rank its
+    #     own; the mean over ranks of running_mean is plain torch's on the global batch (the
+    #     update is linear in the batch mean); running_var is not (the variance is not).
+    #   "broadcast": every forward starts from rank 0's on every rank, plain torch's fed rank 0's
+    #     rows; after the last forward each rank has added its own batch once.
+    world = 2
+
+    def plain(rows):
+        model, stats = Normed(), []
+        model.register_forward_pre_hook(lambda m, a: stats.append({n: b.clone() for n, b in model.named_buffers()}))
+        normed_steps(model, torch.optim.SGD(model.parameters(), lr=0), rows, world)
+        return stats, {n: b.clone() for n, b in model.named_buffers()}
+    per_rank = [plain(slice(r * B, (r + 1) * B)) for r in range(world)]
+    whole = plain(slice(None))[1]
+    for stage in range(4):
+        none, broadcast = ([res["buffers_runs"][(stage, b)] for res in world2] for b in ("none", "broadcast"))
+        for rank in range(world):
+            for got, want in zip(none[rank]["starts"] + [none[rank]["end"]], per_rank[rank][0] + [per_rank[rank][1]]):
+                assert all(torch.allclose(got[n], want[n]) for n in want), (stage, rank)
+            assert not torch.allclose(none[rank]["end"]["norm.running_var"], whole["norm.running_var"])
+            for got, want in zip(broadcast[rank]["starts"], per_rank[0][0]):  # rank 0's, on every rank
+                assert all(torch.allclose(got[n], want[n]) for n in want), (stage, rank)
+            assert broadcast[rank]["comm"]["broadcast"] > 0 and "broadcast" not in none[rank]["comm"]
+        mean = (none[0]["end"]["norm.running_mean"] + none[1]["end"]["norm.running_mean"]) / 2
+        assert torch.allclose(mean, whole["norm.running_mean"], atol=1e-6)
+        assert not torch.allclose(none[0]["end"]["norm.running_mean"], none[1]["end"]["norm.running_mean"])
+    for res in world2:
+        assert res["buffers_runs"]["disagree"].startswith("zero: ranks disagree: rank 0 has buffers")
+    with pytest.raises(ValueError, match="^zero: buffers must be 'broadcast' or 'none', not 'sync'$"):
+        zero.wrap(Normed(), 0, TASKS_OPTIMIZER, buffers="sync")
 
 
 def test_parameters_stepped_apart_checkpoint_exactly(tasks_runs, shared):

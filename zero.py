@@ -561,7 +561,8 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
 def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-         bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None):
+         bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None,
+         buffers="none"):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with. optimizer: builds a torch
     optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3). The other
@@ -573,7 +574,8 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
         setup()
     return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes,
-                         check_steps=check_steps, shard_size=shard_size, init=init, device=device)
+                         check_steps=check_steps, shard_size=shard_size, init=init, device=device,
+                         buffers=buffers)
 
 
 # =================================== PART II: THE ENGINEERING =================================
@@ -599,13 +601,17 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
 #                  whether some parameter got no gradient, which step() then leaves alone).
 #   shard_size     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and
 #                  replicate over the N/G groups (hybrid_groups; default: all ranks).
+#   buffers        "none" (default): each rank keeps its own buffers after wrap() (as FSDP), so
+#                  those a forward updates (BatchNorm's running statistics) drift apart;
+#                  "broadcast": rank 0's to every rank before each forward with gradients on,
+#                  as DDP's broadcast_buffers (sync_buffers).
 #   init, device   for a model built under torch.device("meta"), initialized in place one unit
 #                  at a time on `device` (default: this rank's GPU under NCCL, else the CPU) as
 #                  model.apply(init) would (default: each module's reset_parameters());
 #                  see materialize().
 
 SETTINGS = dict(reduce_dtype=None, overlap=True, bucket_bytes=0, check_steps=True,
-                shard_size=None, device=None)
+                shard_size=None, device=None, buffers="none")
 
 
 def configure(zero, model, units, param_dtype, settings):
@@ -619,6 +625,9 @@ def configure(zero, model, units, param_dtype, settings):
     s = {**SETTINGS, **settings}
     zero.overlap, zero.bucket_bytes, zero.check_steps = s["overlap"], s["bucket_bytes"], \
         s["check_steps"]
+    if s["buffers"] not in ("broadcast", "none"):
+        raise ValueError(f"zero: buffers must be 'broadcast' or 'none', not {s['buffers']!r}")
+    zero.buffers = s["buffers"]
     zero.world = dist.get_world_size()
     zero.N = s["shard_size"] or zero.world  # Part I's N: with hybrid sharding, G (below)
     zero.mixed_precision = param_dtype is not None
@@ -766,6 +775,26 @@ def replicate_the_rest(zero, param_dtype):
         dist.broadcast(t.data, src=0)
     if zero.mixed_precision:
         cast_frozen_and_inputs(zero.model, zero.unit_modules, param_dtype)
+    if zero.buffers == "broadcast":
+        zero.model.register_forward_pre_hook(functools.partial(_broadcast_buffers,
+                                                               weakref.ref(zero)))
+
+
+def _broadcast_buffers(zero_ref, model, args):
+    # buffers="broadcast": rank 0's buffers to every rank before each forward, as DDP does, so
+    # that what a forward updates (BatchNorm's running mean and variance, its batch count) is
+    # rank 0's on every rank when a forward starts; each rank then updates it from its own
+    # batch. Only in forwards with gradients on, as DDP: an evaluation that rank 0 runs alone
+    # (under torch.no_grad()) must not wait for the other ranks.
+    zero = zero_ref()
+    if zero is None or not torch.is_grad_enabled():
+        return
+    works = []
+    for _, b in model.named_buffers():
+        works.append(dist.broadcast(b, src=0, async_op=True))
+        zero.meter.sent("broadcast", b)
+    for w in works:
+        w.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1292,7 +1321,7 @@ def _nbytes(tensors):
     return sum(n for ptr, n in storages.items() if ptr)
 
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups", "broadcast")
 
 
 class Meter:
@@ -1315,7 +1344,7 @@ class Meter:
         code = KINDS.index(kind)  # not hash(kind): str hashes differ from process to process
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
         n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # in the ring
-        times = 2 if kind.startswith("all_reduce") else 1
+        times = 2 if kind.startswith("all_reduce") else 1  # (a broadcast: (N-1)/N M, pipelined)
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
     def breakdown(self):
@@ -1764,7 +1793,8 @@ def check_ranks_agree(zero, param_dtype):
     # garbage. So the first collective is a small one every rank can make: each of them.
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
-                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.N)
+                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.N,
+                    buffers=zero.buffers)
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
               **{k: _digest(v) for k, v in settings.items()}}
     rows = _all_ranks(list(fields.values()), zero.device)
