@@ -66,6 +66,9 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   refused in one line: test_torch_gradient_conventions_and_conversions,
   test_unused_parameters_and_out_of_place_accumulation.
 - Sparse gradients are refused by name, at wrap or in backward: test_sparse_gradients_are_refused_by_name.
+- optimizer.gathered(): full values to read (and a no_grad forward inside), one block alone at stage 3, the
+  memory held inside and not after, writeback with rank 0's values into shards and fp32 masters (the others'
+  fp32 bits kept), refused inside a forward, every stage, fp32 and bf16: test_gathered_parameters_read_write_back_and_memory.
 - Buffers (BatchNorm's running statistics), buffers="none" or "broadcast", against plain torch fed each
   rank's rows, rank 0's, and the global batch; agreed across ranks: test_buffers_broadcast_or_kept_per_rank.
 - What breaks, and why (mistakes.py): each mistake shows its symptom, by a margin rounding cannot
@@ -555,7 +558,8 @@ def world2(pool, shared, world4):
     damage_copies(shared)  # of the checkpoint world4 wrote, for reshard_read to refuse
     return pool.run(2, ["scenarios", "sometimes", "collectives", "disagree", "reshard_read", "fsdp_scenarios",
                         "small_bench", "fsdp_bad_input", "straight", "cli_errors", "real_code",
-                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab", "buffers_runs"], shared)
+                        "timeline_runs", "abused_ranks", "meta_models", "tasks", "mistakes_lab", "buffers_runs",
+                        "gathered_runs"], shared)
 
 
 @pytest.fixture(scope="module")
@@ -1197,6 +1201,75 @@ def test_buffers_broadcast_or_kept_per_rank(world2, one_rank):
         assert res["buffers_runs"]["disagree"].startswith("zero: ranks disagree: rank 0 has buffers")
     with pytest.raises(ValueError, match="^zero: buffers must be 'broadcast' or 'none', not 'sync'$"):
         zero.wrap(Normed(), 0, TASKS_OPTIMIZER, buffers="sync")
+
+
+def gathered_runs(rank, world):
+    # opt.gathered(): full values to read (and a no_grad forward inside), one block alone, what
+    # is written kept (writeback: rank 0's wins, into shards and fp32 masters), and refused
+    # inside a forward; at every stage, in fp32 and bf16, each rank's weights different at first.
+    out, x = {}, global_batch(0, 0, world)[0]
+    for stage in range(4):
+        for dtype in (None, torch.bfloat16):
+            model, opt = wrapped(rank, stage, "adamw", seed=100, param_dtype=dtype)
+            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(rank * B, (rank + 1) * B), world, 1)
+            rec = {"full": opt.full_state_dict(), "outside": opt.memory_breakdown()["params"]}
+            with opt.gathered():
+                rec["inside"] = opt.memory_breakdown()["params"]
+                rec["read"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                with torch.no_grad():
+                    rec["logits"] = model(x).float()
+            rec["after"] = opt.memory_breakdown()["params"]
+            with opt.gathered(model.blocks[0]):
+                rec["one block"] = [u.gathered for u in opt.units]
+            with opt.gathered(model.blocks[1], writeback=True), torch.no_grad():
+                model.blocks[1][0].weight.fill_(rank + 1.0)  # rank 0's 1.0 wins
+                model.blocks[1][0].bias[0] = rank + 1.0
+            rec["written"] = opt.full_state_dict()
+            with opt.gathered():
+                rec["compute"] = model.blocks[1][0].weight.detach().clone()
+            with opt.gathered(writeback=True):  # written and read back: nothing else moves
+                pass
+            rec["rewritten"] = opt.full_state_dict()
+
+            def inside(module, args):
+                with opt.gathered():
+                    pass
+            model.blocks[0].register_forward_pre_hook(inside)
+            try:
+                with torch.no_grad():
+                    model(x[rank * B:(rank + 1) * B])
+            except RuntimeError as e:
+                rec["refused"] = str(e)
+            out[(stage, str(dtype))] = rec
+    return out
+
+
+def test_gathered_parameters_read_write_back_and_memory(world2):
+    world = 2
+    for stage in range(4):
+        for dtype in ("None", "torch.bfloat16"):
+            recs = [res["gathered_runs"][(stage, dtype)] for res in world2]
+            plain = Net(seed=100)
+            plain.load_state_dict(recs[0]["full"], strict=False)
+            with torch.no_grad():
+                want = plain(global_batch(0, 0, world)[0])
+            for rec in recs:
+                exact = dtype == "None"
+                for name, t in rec["full"].items():  # what a reader sees: the model's values
+                    got = rec["read"][name].float()
+                    assert torch.equal(got, t) if exact else torch.allclose(got, t, atol=1e-2), (stage, dtype, name)
+                assert torch.allclose(rec["logits"], want, atol=1e-5 if exact else 0.1), (stage, dtype)
+                # stage 3 holds the full parameters inside only (once more than its 1/N shards)
+                assert (rec["inside"] > rec["outside"]) == (stage == 3) and rec["after"] == rec["outside"]
+                assert rec["one block"] == [stage < 3 or i == 1 for i in range(len(rec["one block"]))]
+                w = rec["written"]["blocks.1.0.weight"]  # rank 0's value, exactly, in the fp32 masters
+                assert torch.equal(w, torch.ones_like(w)) and rec["written"]["blocks.1.0.bias"][0] == 1.0
+                assert torch.equal(rec["compute"], torch.ones_like(rec["compute"]))
+                for name, t in rec["written"].items():
+                    if name not in ("blocks.1.0.weight", "blocks.1.0.bias"):
+                        assert torch.equal(t, rec["full"][name]), (stage, dtype, name)  # fp32 bits kept
+                    assert torch.equal(rec["rewritten"][name], t), (stage, dtype, name)
+                assert rec["refused"].startswith("zero: optimizer.gathered() inside a forward or backward")
 
 
 def test_parameters_stepped_apart_checkpoint_exactly(tasks_runs, shared):

@@ -223,9 +223,8 @@ class DataParallel:
         # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
-        if p in unit.hidden:  # its slice holds a mean p.grad did not show: add to it, as torch
+        if p in unit.hidden and p not in unit.received:  # a mean p.grad did not show: add to it
             view.add_(p.grad.detach(), alpha=1 / self.N if unit.divided else 1)
-            unit.hidden.discard(p)
         elif p.grad.data_ptr() != view.data_ptr():
             if unit.divided:
                 torch.mul(p.grad.detach(), 1 / self.N, out=view)
@@ -322,7 +321,8 @@ class DataParallel:
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface, in Part II: measurement, checkpoints, meta-device models.
+    # The rest of the interface, in Part II: full parameters for a moment, measurement, checkpoints.
+    def gathered(self, modules=None, writeback=False): return gathered(self, modules, writeback)
     def memory_breakdown(self): return self.meter.breakdown()
     def state_dict(self): return checkpoint_part(self)
     def load_state_dict(self, state): load_own_part(self, state)
@@ -636,6 +636,7 @@ def configure(zero, model, units, param_dtype, settings):
     zero.device = build_device(zero, s["device"])  # the model's, or where a meta model is built
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
     zero.in_flight, zero.meter = InFlight(zero), Meter(zero)  # (speed; measurement)
+    zero.forwards = count_forwards(model)  # (gathered() refuses to run inside one)
     check_ranks_agree(zero, param_dtype)  # every rank has the same model and settings
     zero.shard_group, zero.replica_group = hybrid_groups(zero)  # without hybrid: None, None
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
@@ -1940,6 +1941,72 @@ def refuse_unfrozen(zero):
             raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
                                "shards and steps the parameters trainable then; build the model "
                                "with it trainable and wrap it again")
+
+
+# ----------------------------------------------------------------------------------------------
+# Full parameters for a moment: `with optimizer.gathered(modules=None, writeback=False):`, as
+# FSDP1's summon_full_params and DeepSpeed's GatheredParameters. Inside, the parameters of the
+# given modules (default: the whole model) hold their full values: stage 3 all-gathers the
+# units that hold them (only those: pass one block to hold one unit), stages 0-2 hold them
+# already. Reading works as on a plain model: evaluation, generation (under torch.no_grad(),
+# whose forwards gather nothing more), an EMA, norms for a log. With writeback=True what the
+# code wrote lands, when the block ends, in every rank's parameters, shards and fp32 masters,
+# rank 0's values winning (a broadcast: DeepSpeed's modifier_rank=0); without it, what is
+# written is not kept in step across ranks, nor (stage 3, mixed precision) kept at all.
+# Every rank enters the block (a collective at stage 3 and with writeback), never inside a
+# forward or backward. The optimizer's state (Adam's m and v) is left as it is.
+
+def count_forwards(model):
+    """[the forwards of the model running now], kept by two hooks (the second runs even when
+    the forward raises)."""
+    running = [0]
+    model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
+    model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1),
+                                always_call=True)
+    return running
+
+
+@contextlib.contextmanager
+def gathered(zero, modules=None, writeback=False):
+    if zero.forwards[0] or torch._C._current_graph_task_id() != -1:
+        raise RuntimeError("zero: optimizer.gathered() inside a forward or backward: a module "
+                           "computes with its units gathered already; enter it between steps")
+    modules = [zero.model] if modules is None else \
+        [modules] if isinstance(modules, nn.Module) else list(modules)
+    wanted = dict.fromkeys(p for m in modules for p in m.parameters())  # (in order: broadcasts)
+    units = [u for u in zero.units if any(p in wanted for p in u.params)]
+    kept = {u for u in units if u.gathered}  # (stage 3: the root, between forward and backward)
+    for u in units:
+        if zero.stage == 3:
+            zero._gather(u)
+            u.users += 1  # not freed by a forward inside the block
+    mine = [u.flat[u.stepped].clone() for u in units] if writeback and zero.mixed_precision \
+        else None  # this rank's stepped elements as they were: the masters of those changed
+    try:
+        yield
+        if writeback:
+            _write_back(zero, units, wanted, mine)
+    finally:
+        for u in units:
+            if zero.stage == 3:
+                u.users -= 1
+                if u.users == 0 and u not in kept:
+                    zero._free(u)
+
+
+def _write_back(zero, units, wanted, mine):
+    for i, u in enumerate(units):
+        dist.broadcast(u.flat, src=0)  # rank 0's values, on every rank
+        zero.meter.sent("broadcast", u.flat)
+        if zero.stage == 3:
+            u.shard.copy_(u.flat[u.my_slice])  # the shard lives in storage of its own
+        if zero.mixed_precision:  # the fp32 master of an element written, not of the others:
+            new = u.flat[u.stepped]  # an element left alone keeps its fp32 bits
+            changed = new != mine[i]
+            u.master[changed] = new[changed].to(u.master.dtype)
+    for p in wanted:
+        if not hasattr(p, "_zero_unit"):  # frozen: whole on every rank
+            dist.broadcast(p.data, src=0)
 
 
 # ----------------------------------------------------------------------------------------------
