@@ -110,7 +110,8 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   (test_transformers_shaped_model_on_the_meta_device), PyTorch's recipe with the same losses
   (test_pytorch_counterpart_trains_like_zero, test_fsdp_demo_compare_end_to_end, --init-from);
   --max-memory: test_max_memory_passes_what_fits_and_refuses_what_cannot; --largest-model:
-  test_a_trial_out_of_memory_ends_only_that_trial, test_largest_model_finds_the_wall_of_each_stage.
+  test_a_trial_out_of_memory_ends_only_that_trial, test_largest_model_finds_the_wall_of_each_stage
+  (the guess and the bracket, in few trials, with no excess over the formula and with the README's).
 
 No assertion depends on how fast anything runs. Where overlap is checked, collectives report
 "not finished" until zero.py waits for them (landed_only_when_waited), so what is seen in flight
@@ -3438,11 +3439,14 @@ def test_trial_reports_that_arrive_together_are_all_read():
     assert sorted(zero._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)) == [0, 1, 2]
 
 
-def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys):
-    # The search (doubling, then halving the gap) and the table, with trials that fit exactly
-    # when the formula's model state is within the limit: each stage's row must name the largest
-    # model that fits and the next one, which does not.
-    limit = 10**6
+@pytest.mark.parametrize("excess", ["none", "growing"])
+def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess):
+    # The search (a guess from the formula and what the trials that fitted measured, then a
+    # bracket) and the table, with stand-in trials that fit exactly when the formula's model state
+    # plus an excess is within the limit: none, or one modeled on the README's run (a rest that
+    # grows with the blocks, transient buffers that grow with the stage). Each stage's row must
+    # name the largest model that fits and the next one, which does not, in few trials.
+    limit, MB = 10**6, 10**6 / 200  # the README's 200 MB, scaled to 1 MB
 
     with torch.device("meta"):  # Ψ grows by one block's parameters per block
         one, two = (sum(p.numel() for p in zero.GPT(16, 16, n, 2).parameters()) for n in (1, 2))
@@ -3450,10 +3454,21 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys):
     def psi_of(layers):
         return one + (layers - 1) * (two - one)
 
+    def over(stage, layers):  # the README's: rest 21 MB + 0.175 MB a block (stage 3: 30.5 MB), transient
+        if excess == "none":
+            return 0
+        return (30.5 if stage == 3 else 20.9) * MB + 0.175 * MB * layers + [0, 6.3, 12.9, 19.6][stage] * MB
+
+    def need(stage, layers):
+        return sum(zero.memory_formula(stage, psi_of(layers), 4).values()) + over(stage, layers)
+    calls = []
+
     def trial(args, stage, layers):
-        need = sum(zero.memory_formula(stage, psi_of(layers), 4).values())
-        return {"ok": need <= limit, "psi": psi_of(layers), "layers": layers, "state": need, "runtime": 0,
-                "rest": 0, "error": "" if need <= limit else "rank 0: out of memory in the forward"}
+        calls.append((stage, layers))
+        f = sum(zero.memory_formula(stage, psi_of(layers), 4).values())
+        return {"ok": need(stage, layers) <= limit, "psi": psi_of(layers), "layers": layers, "state": f,
+                "runtime": 0, "rest": over(stage, layers),
+                "error": "" if need(stage, layers) <= limit else "rank 0: out of memory in the forward"}
     monkeypatch.setattr(zero, "_trial", trial)
     zero.main(["--largest-model", "--max-memory", "1MB", "--world-size", "4", *MODEL])
     out = capsys.readouterr().out
@@ -3461,10 +3476,12 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys):
             re.findall(r"^(\d) +(\d+) +[\d,]+ +\S+ +\S+ +\S+ \| +(\d+) ", out, re.M)}
     assert sorted(rows) == [0, 1, 2, 3]
     for stage, (fits, refused) in rows.items():
-        need = lambda layers: sum(zero.memory_formula(stage, psi_of(layers), 4).values())  # noqa: E731
-        assert need(fits) <= limit < need(refused) and refused == fits + 1, (stage, fits, refused)
+        assert need(stage, fits) <= limit < need(stage, refused) and refused == fits + 1, (stage, fits, refused)
     assert rows[3][0] > rows[2][0] > rows[1][0] > rows[0][0]
     assert re.search(r"stage 3 trains \d+\.\dx the parameters of stage 0", out)
+    # a trial to measure, then 2 a stage where the guess is right (none); at most 3 a stage else
+    assert len(calls) == len(set(calls)) <= (9 if excess == "none" else 12), calls
+    assert re.search(rf"^{len(calls)} trials in \d+ s$", out, re.M)
 
 
 # On a GPU. Every test above that takes `ranks` or `hybrid_runs` also runs on CUDA tensors (the

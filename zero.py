@@ -3245,31 +3245,73 @@ def oom_line(args, rank, world, psi, where):
 
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
-    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying:
-    doubling the blocks until a trial fails, then halving the gap. Each trial is a fresh job of
-    N processes on this machine; one that runs out of memory ends that trial only."""
-    N, rows, start = args.world_size, [], 1
+    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
+    Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
+    that trial only. The search starts where the formula puts the wall and brackets it:
+    wall_guess() says where, from what the trials that fitted measured."""
+    N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    with torch.device("meta"):  # Ψ grows by one block's parameters per block
+        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
+                                               args.n_head).parameters()) for n in (1, 2))
+    formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
+        stage, one + (layers - 1) * (two - one), N, pb, gb, ob, args.shard_size).values())
+    before = []  # the previous stage's (layers, what it held beyond the formula) that fitted
     for stage in range(4):
-        tried = {}
+        tried, fitted = {}, []
 
         def fits(layers):
             if layers not in tried:
-                tried[layers] = _trial(args, stage, layers)
-                res = tried[layers]
+                tried[layers] = res = _trial(args, stage, layers)
+                count[0] += 1
                 print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
                       ("trained" if res["ok"] else res["error"][:60]), flush=True)
+                if res["ok"]:
+                    fitted.append((layers, res["state"] + res["rest"] - formula(stage, layers)))
             return tried[layers]["ok"]
-        lo, hi = 0, start  # lo: the most blocks known to fit (0: none); hi: the next to try
-        while fits(hi):
-            lo, hi = hi, hi * 2
-            if hi > MAX_LAYERS:
+        hi, up, down = None, 0, 0  # lo: the most blocks known to fit (a later stage holds less
+        while hi is None or hi - lo > 1:  # than an earlier one); hi: the fewest that do not
+            guess = wall_guess(fitted, before, lambda n: formula(stage, n), args.max_memory)
+            if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
+                layers, up = lo + 2 ** up, up + 1
+            elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
+                layers, down = hi - 2 ** down, down + 1
+            else:
+                layers, up, down = guess, 0, 0
+            layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
+            lo, hi = (layers, hi) if fits(layers) else (lo, layers)
+            if lo >= MAX_LAYERS:
                 break
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if lo and lo not in tried:  # the previous stage's wall, not tried at this stage
+            fits(lo)
         rows.append((stage, tried.get(lo), tried.get(hi)))
-        start = max(lo, 1)  # a later stage holds less: it fits at least as many blocks
+        before = fitted or before
     print_memory_wall(args, rows)
+    print(f"{count[0]} trials in {time.time() - t0:.0f} s")
+
+
+def wall_guess(fitted, before, formula, limit):
+    """Where the wall should be: the most blocks whose formula (model state alone) plus what
+    the trials that fitted held beyond it (the rest, and the transient buffers the formula does
+    not count) stays within the limit. That excess grows slowly with the blocks (activations):
+    taken from this stage's largest trial that fitted, growing as between its two largest;
+    before any at this stage, the previous stage's plus half (a later stage holds more
+    transient buffers: its first guess errs low, and the trial it makes measures this stage's);
+    before any at all, 1 block (a trial that measures)."""
+    if fitted:
+        top = sorted(fitted)[-2:]  # (blocks, excess bytes), the two largest
+        (n0, x0), (n1, x1) = top[0], top[-1]
+        slope = max(x1 - x0, 0) / (n1 - n0) if n1 > n0 else 0
+        excess = lambda n: x1 + slope * max(n - n1, 0)  # noqa: E731
+    elif before:
+        excess = lambda n: 1.5 * max(before)[1]  # noqa: E731
+    else:
+        return 1
+    lo, hi = 0, MAX_LAYERS + 1  # formula(n) + excess(n) grows with n: bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if formula(mid) + excess(mid) <= limit else (lo, mid)
+    return lo
 
 
 MAX_LAYERS = 4096  # --largest-model stops doubling here
