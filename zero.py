@@ -52,6 +52,8 @@ demo model, training loop, report and command line. The stages share one interfa
     loss_fn(model(x2), y2).backward()   # gradients accumulate; this one reduces
     optimizer.clip_grad_norm_(1.0)      # optional, global norm over all shards
     optimizer.step(); optimizer.zero_grad()
+    with optimizer.gathered():          # optional: full parameters for a moment (evaluation...)
+        print(model.head.weight.norm())
     zero.save_checkpoint(optimizer, "ckpt", step)   # sharded; loads at any stage and world size
 
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
