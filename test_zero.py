@@ -1019,8 +1019,9 @@ def snapshot(opt):
     and the aux unit's compute copy (bf16 in mixed precision)."""
     names, state = {p: n for n, p in opt.model.named_parameters()}, {}
     for u in opt.units:
-        for piece, p in zip(u.pieces, u.owner):
-            state.setdefault(names[p], []).append({k: v.clone() for k, v in opt.optimizer.state.get(piece, {}).items()})
+        for piece, owners in zip(u.pieces, u.owners):
+            for p in owners:
+                state.setdefault(names[p], []).append({k: v.clone() for k, v in opt.optimizer.state.get(piece, {}).items()})
     aux = next(u for u in opt.units if opt.model.aux in u.modules)
     return {"values": opt.full_state_dict(), "state": state, "aux compute": aux.shard.clone()}
 
@@ -1052,6 +1053,7 @@ def tasks(rank, world):
             rec.setdefault("grad None", {})[step] = (none, {n for n, p in model.named_parameters() if p.grad is None})
         tasks_steps(model, opt, rows, world, range(4), around_step)
         rec["full"] = opt.full_state_dict()
+        rec["per parameter"] = [u.per_parameter for u in opt.units]  # which units were cut again
         out[(stage, str(kwargs))] = rec
     if world == 4:
         return out
@@ -1113,6 +1115,9 @@ def test_unused_and_frozen_parameters_are_not_stepped_as_in_torch(tasks_runs):
                     assert aux and all(s == {} for s in aux) == (step <= 1)
                 if key[0] == 3:  # after backward only the root unit may still be gathered: none is
                     assert rec["gathered"] == [False] * 4
+                # Pieces per parameter only where a piece held parameters with and without a gradient:
+                # the root unit (first and rare) on rank 0, never a unit used whole or not at all
+                assert rec["per parameter"][:4] == [False] * 4 and (rec["per parameter"][4] or res is not results[0])
 
 
 def test_an_unused_parameters_grad_is_none_as_in_torch(tasks_runs):

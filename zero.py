@@ -193,10 +193,10 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self, param_dtype)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps flat pieces of this rank's masters, each within one parameter.
-        # Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update
-        # depends on its own gradient and state only. NOT for those that look at whole tensors
-        # (LAMB, LARS, Shampoo, Muon: a piece may hold a slice of one), nor per-parameter groups.
+        # The optimizer steps flat pieces of this rank's masters (optimizer_pieces). Exact for
+        # element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update depends
+        # on its own gradient and state only. NOT for those that look at whole tensors (LAMB,
+        # LARS, Shampoo, Muon: a piece may hold slices of some), nor per-parameter groups.
         self.optimizer = optimizer(optimizer_pieces(self))  # (speed 4: the pieces)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -279,7 +279,7 @@ class DataParallel:
         self.in_flight.land()
         # The ranks reduced the same units (checks); the parameters some rank gave a gradient:
         self.with_grad = check_step_agrees(self)  # the others are not stepped (.grad None)
-        show_means(self)  # stages 0, 1: p.grad of those unused here and used elsewhere (checks)
+        settle_unused(self)  # .grad of those unused here (stages 0, 1), their pieces (checks)
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -300,11 +300,11 @@ class DataParallel:
         self._reduce_grads()
         # The hand-off: the optimizer steps pieces of each unit's master, and a piece's .grad is
         # the same slice of grad_shard, the mean gradient (in mixed precision an fp32 copy); None
-        # for a parameter no rank gave a gradient: torch's optimizers skip it, values and state.
+        # for the parameters no rank gave a gradient: torch's optimizers skip them, values, state.
         for u in self.units:
             grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
-            for piece, grad, p in zip(u.pieces, grads, u.owner):
-                piece.grad = grad if p in self.with_grad else None
+            for piece, grad, owners in zip(u.pieces, grads, u.owners):
+                piece.grad = grad if self.with_grad.issuperset(owners) else None
         self.optimizer.step()
         after_step(self)  # mixed precision: the fp32 masters rounded into the shards; .grad
         self.steps += 1
@@ -1160,28 +1160,63 @@ PIECE = {"cpu": 1 << 20, "cuda": 1 << 22}
 
 def optimizer_pieces(zero):
     """The tensors the optimizer steps: each unit's master (the elements this rank steps) cut
-    where a parameter ends, and within a parameter into pieces of at most PIECE elements (views,
-    no copy). Exact all the same (element-wise optimizers). The cuts at parameters make a piece
-    belong to one parameter (unit.owner; the unit's padding rides with its last one), so that
-    step() can hand the optimizer no gradient for a parameter that got none, as torch skips
-    it. The cuts by size bound the temporaries torch's optimizers allocate per tensor (Adam's
+    into pieces of at most PIECE elements (views, no copy). Exact all the same (element-wise
+    optimizers). The cuts bound the temporaries torch's optimizers allocate per tensor (Adam's
     sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter shard would be 200 MB
     of transient memory. So with their for-loop implementation, the default on CPU; on CUDA the
     default is foreach, which makes each temporary for all the tensors at once: one fp32 [S]
-    while the step runs, whatever the pieces. The price: more tensors per step (about one per
-    parameter, as torch's own optimizers take anyway), and a step counter of Adam's for each
-    (4 bytes)."""
+    while the step runs, whatever the pieces. unit.owners: the parameters each piece holds
+    elements of (the unit's padding rides with its last one); step() hands a piece no gradient
+    when none of them got one. A unit where some parameter of a piece got one and another did
+    not is cut again where parameters end (split_pieces), once and for good: each parameter then
+    has pieces of its own, as torch steps each parameter or skips it. Not before: a piece per
+    parameter is a tensor per parameter for the optimizer (Adam's per-tensor work, and its 4-byte
+    step counter), for a model that may never leave one without a gradient."""
     device = zero.units[0].flat.device
     zero.piece = PIECE.get(device.type, PIECE["cuda"])
     for u in zero.units:
-        u.pieces, u.owner, lo, hi = [], [], u.stepped.start, u.stepped.stop
-        ends = [u.offset[p] for p in u.params[1:]] + [u.flat.numel()]  # where each one's ends
-        for p, end in zip(u.params, ends):
-            a, b = max(u.offset[p], lo), min(end, hi)  # p's elements that this rank steps
-            for start in range(a, b, zero.piece):
-                u.pieces.append(u.master[start - lo:min(start + zero.piece, b) - lo])
-                u.owner.append(p)
+        u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
     return [piece for u in zero.units for piece in u.pieces]
+
+
+def cut_pieces(zero, u, per_parameter):
+    """(pieces, owners) of unit u: cut every PIECE elements from the start of what this rank
+    steps, and (per_parameter) where each parameter starts: each piece then lies in one."""
+    lo, hi = u.stepped.start, u.stepped.stop
+    cuts = set(range(lo, hi, zero.piece)) | {hi}
+    if per_parameter:
+        cuts |= {u.offset[p] for p in u.params if lo < u.offset[p] < hi}
+    cuts = sorted(cuts)
+    pieces, owners = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        pieces.append(u.master[a - lo:b - lo])
+        owners.append(tuple(p for p in u.params if u.offset[p] < b and
+                            u.offset[p] + p.numel() > a) or (u.params[-1],))  # (padding)
+    return pieces, owners
+
+
+def split_pieces(zero, units):
+    """Cut the pieces of `units` where parameters start (cut_pieces), in place for the
+    optimizer: its one group's tensors and its state, each new piece's per-element state (Adam's
+    m and v) copied from the piece it was part of, and the scalars (its step count), which the
+    parameters of one piece share (they were stepped together)."""
+    units, state = [u for u in units if not u.per_parameter], zero.optimizer.state
+    for u in units:
+        old = [(piece, piece.storage_offset()) for piece in u.pieces]
+        u.pieces, u.owners = cut_pieces(zero, u, per_parameter=True)
+        u.per_parameter = True
+        for piece in u.pieces:
+            start = piece.storage_offset()
+            whole, at = next((w, o) for w, o in old if o <= start < o + w.numel())
+            if whole in state:
+                state[piece] = {k: v[start - at:start - at + piece.numel()].clone()
+                                if torch.is_tensor(v) and v.shape == whole.shape else
+                                v.clone() if torch.is_tensor(v) else v
+                                for k, v in state[whole].items()}
+        for whole, _ in old:
+            state.pop(whole, None)
+    if units:
+        zero.optimizer.param_groups[0]["params"] = [p for u in zero.units for p in u.pieces]
 
 
 # Speed 5, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
@@ -1879,14 +1914,19 @@ def zero_unused_grads(zero, unit):
                 unit.received.discard(p)  # (a .grad of zeros kept by zero_grad, set to None since)
 
 
-def show_means(zero):
-    """After the per-step check: p.grad of each parameter this rank did not use is the mean it
-    holds in the buffer if some rank used it, None (as torch) if none did. (Stages 0, 1.)"""
+def settle_unused(zero):
+    """Once the per-step check knows which parameters no rank gave a gradient (zero.with_grad):
+    p.grad of each parameter this rank did not use is the mean it holds in the buffer if some
+    rank used it, None (as torch) if none did (stages 0, 1); and a unit with a piece that holds
+    parameters of both kinds gets pieces per parameter (split_pieces), so that step() skips
+    exactly those."""
     for u in zero.units:
         for p in u.hidden & zero.with_grad:
             p.grad = u.view(u.grad, p)
             u.received.add(p)  # (it has a .grad: zero_grad(set_to_none=False) keeps it)
         u.hidden.clear()
+    split_pieces(zero, [u for u in zero.units if any(
+        not zero.with_grad.isdisjoint(o) and not zero.with_grad.issuperset(o) for o in u.owners)])
 
 
 def guard_conversions(model):
@@ -2059,8 +2099,8 @@ def checkpoint_part(zero):
     # optimizer holds no state for it yet (never stepped), and its per-element state is zeros.
     scalars = {}
     for u in zero.units:
-        for piece, p in zip(u.pieces, u.owner):
-            if state[piece]:  # a copy: a later step must not change what this returned
+        for piece, owners in zip(u.pieces, u.owners):
+            for p in owners if state[piece] else ():  # a copy: a later step must not change it
                 scalars[names[p]] = {k: v.clone() if torch.is_tensor(v) else v
                                      for k, v in state[piece].items() if not per_element(v, piece)}
     for u in zero.units:
@@ -2169,9 +2209,12 @@ def load_parts(zero, parts, written):
                         t[a - lo:b - lo] = read(i, o + a - u.offset[p], o + b - u.offset[p], k)
             u.master.copy_(values.pop("master"))
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+            if any(len({_digest(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
+                split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
             sizes = [piece.numel() for piece in u.pieces]
             chunks = (t.split(sizes) for t in values.values())
-            for piece, p, *chunk in zip(u.pieces, u.owner, *chunks):
+            for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
+                p = owners[0]  # (the parameters of a piece have the same scalars)
                 if names[p] in scalars:  # the optimizer has state for p (it was stepped)
                     state[piece] = {**dict(zip(values, chunk)),
                                     **{k: v.clone() if torch.is_tensor(v) else v
