@@ -52,6 +52,8 @@ demo model, training loop, report and command line. The stages share one interfa
     loss_fn(model(x2), y2).backward()   # gradients accumulate; this one reduces
     optimizer.clip_grad_norm_(1.0)      # optional, global norm over all shards
     optimizer.step(); optimizer.zero_grad()
+    with optimizer.gathered():          # optional: full parameters for a moment (evaluation...)
+        print(model.head.weight.norm())
     zero.save_checkpoint(optimizer, "ckpt", step)   # sharded; loads at any stage and world size
 
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
@@ -124,9 +126,10 @@ class Unit:
         self.grad_shard = None        # [S] the gradient of what it steps: the sum over ranks / N
         # Bookkeeping: what backward has done so far, and stage 3's gathers.
         self.arrived = 0         # its parameters given a gradient in this backward
-        self.received = set()    # ... and those given one since zero_grad()
+        self.received = set()    # ... and those given one since zero_grad() (or zeros it kept)
         self.unreduced = False   # it holds local gradients that no reduction has summed yet
         self.divided = False     # this backward's gradients were divided by N as copied in
+        self.hidden = set()      # stages 0, 1: unused here, its mean not shown (zero_unused_grads)
         self.users, self.gathered_at, self.prefetch = 0, 0, None  # stage 3 (ZeRO3._gather)
         self.index = None        # its place in the model's list of units (make_units)
 
@@ -178,9 +181,8 @@ class DataParallel:
 
     def __init__(self, model, optimizer, units=None, param_dtype=None, init=None, **settings):
         self.model, self.rank = model, dist.get_rank()
-        # wrap()'s settings, the units (default_units: one per block), every rank checked to have
-        # the same (Part II). self.N: the ranks a unit is cut over, gradients averaged by: all
-        # of them (with hybrid sharding, G ranks: see hybrid_groups).
+        # wrap()'s settings, the units (default_units: one per block), the same on every rank
+        # (Part II). self.N: the ranks a unit is cut over, gradients averaged by (hybrid: G).
         self.units = configure(self, model, units, param_dtype, settings)
         for unit in materialize(self, init):  # (a meta-device model: allocated unit by unit)
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
@@ -191,10 +193,10 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self, param_dtype)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps flat pieces of this rank's masters, each within one parameter.
-        # Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update
-        # depends on its own gradient and state only. NOT for those that look at whole tensors
-        # (LAMB, LARS, Shampoo, Muon: a piece may hold a slice of one), nor per-parameter groups.
+        # The optimizer steps flat pieces of this rank's masters (optimizer_pieces). Exact for
+        # element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update depends
+        # on its own gradient and state only. NOT for those that look at whole tensors (LAMB,
+        # LARS, Shampoo, Muon: a piece may hold slices of some), nor per-parameter groups.
         self.optimizer = optimizer(optimizer_pieces(self))  # (speed 4: the pieces)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -223,7 +225,9 @@ class DataParallel:
         # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
-        if p.grad.data_ptr() != view.data_ptr():
+        if p in unit.hidden and p not in unit.received:  # a mean p.grad did not show: add to it
+            view.add_(p.grad.detach(), alpha=1 / self.N if unit.divided else 1)
+        elif p.grad.data_ptr() != view.data_ptr():
             if unit.divided:
                 torch.mul(p.grad.detach(), 1 / self.N, out=view)
             else:
@@ -234,8 +238,7 @@ class DataParallel:
         if unit.arrived == len(unit.params) and self._reduce_in_backward():  # backward is done
             self._reduce_unit(unit)
 
-    def _reduce_in_backward(self):
-        return self.overlap and self._sync  # stages 0 and 1 reduce in backward only to overlap
+    def _reduce_in_backward(self): return self.overlap and self._sync  # stages 0, 1: to overlap
 
     def _end_of_backward(self):
         # Once autograd finishes a backward: units with a parameter unused (no gradient) are
@@ -276,6 +279,7 @@ class DataParallel:
         self.in_flight.land()
         # The ranks reduced the same units (checks); the parameters some rank gave a gradient:
         self.with_grad = check_step_agrees(self)  # the others are not stepped (.grad None)
+        settle_unused(self)  # .grad of those unused here (stages 0, 1), their pieces (checks)
         self._reduced = True
 
     def _sum_of_squares(self):
@@ -284,8 +288,7 @@ class DataParallel:
                    for u in self.units)  # (in fp32 at least: bf16 squares overflow and round)
 
     def clip_grad_norm_(self, max_norm):
-        """Scale gradients to a global L2 norm of at most max_norm, as torch's clip_grad_norm_
-        on the unsharded model. Returns the norm before."""
+        """torch's clip_grad_norm_ on the unsharded model: returns the global norm before."""
         self._reduce_grads()
         norm = self._sum_of_squares().sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # eps added once, to the global norm
@@ -297,11 +300,11 @@ class DataParallel:
         self._reduce_grads()
         # The hand-off: the optimizer steps pieces of each unit's master, and a piece's .grad is
         # the same slice of grad_shard, the mean gradient (in mixed precision an fp32 copy); None
-        # for a parameter no rank gave a gradient: torch's optimizers skip it, values and state.
+        # for the parameters no rank gave a gradient: torch's optimizers skip them, values, state.
         for u in self.units:
             grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
-            for piece, grad, p in zip(u.pieces, grads, u.owner):
-                piece.grad = grad if p in self.with_grad else None
+            for piece, grad, owners in zip(u.pieces, grads, u.owners):
+                piece.grad = grad if self.with_grad.issuperset(owners) else None
         self.optimizer.step()
         after_step(self)  # mixed precision: fp32 masters into the shards; .grad let go
         self.steps += 1
@@ -309,18 +312,19 @@ class DataParallel:
 
     def _gather_params(self): pass  # stage 0: every rank stepped the whole model, all is here
 
-    def zero_grad(self, set_to_none=True):  # (as torch's; the buffers' values do not matter)
+    def zero_grad(self, set_to_none=True):  # as torch's: .grad None, or zeros (set_to_none=False)
         for u in self.units:
-            if self.keeps_full_grads:  # as DDP, no pass over the buffer: the next backward's
-                for p in u.params:     # gradients overwrite it, what none does is zeroed
-                    p.grad = None
-            else:
-                u.grad_shard.zero_()
-            u.unreduced = False
-            u.received.clear()
+            if self.keeps_full_grads and set_to_none:  # as DDP, no pass over the buffer: the
+                for p in u.params:  # next backward's gradients overwrite it, zero_unused_grads
+                    p.grad = None   # zeroes what none does
+            else:  # zeros, which backward adds to in place (stages 2, 3: grad_shard; .grad None)
+                (u.grad_shard if u.grad is None else u.grad).zero_()
+            u.unreduced, u.hidden = False, set()
+            u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface, in Part II: measurement, checkpoints, meta-device models.
+    # The rest of the interface, in Part II: full parameters for a moment, measurement, checkpoints.
+    def gathered(self, modules=None, writeback=False): return gathered(self, modules, writeback)
     def memory_breakdown(self): return self.meter.breakdown()
     def state_dict(self): return checkpoint_part(self)
     def load_state_dict(self, state): load_own_part(self, state)
@@ -559,7 +563,8 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
 def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-         bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None):
+         bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None,
+         buffers="none"):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
     default process group and return the optimizer to train it with. optimizer: builds a torch
     optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3). The other
@@ -571,7 +576,8 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
         setup()
     return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
                          reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes,
-                         check_steps=check_steps, shard_size=shard_size, init=init, device=device)
+                         check_steps=check_steps, shard_size=shard_size, init=init, device=device,
+                         buffers=buffers)
 
 
 # =================================== PART II: THE ENGINEERING =================================
@@ -597,13 +603,17 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
 #                  whether some parameter got no gradient, which step() then leaves alone).
 #   shard_size     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and
 #                  replicate over the N/G groups (hybrid_groups; default: all ranks).
+#   buffers        "none" (default): each rank keeps its own buffers after wrap() (as FSDP), so
+#                  those a forward updates (BatchNorm's running statistics) drift apart;
+#                  "broadcast": rank 0's to every rank before each forward with gradients on,
+#                  as DDP's broadcast_buffers (sync_buffers).
 #   init, device   for a model built under torch.device("meta"), initialized in place one unit
 #                  at a time on `device` (default: this rank's GPU under NCCL, else the CPU) as
 #                  model.apply(init) would (default: each module's reset_parameters());
 #                  see materialize().
 
 SETTINGS = dict(reduce_dtype=None, overlap=True, bucket_bytes=0, check_steps=True,
-                shard_size=None, device=None)
+                shard_size=None, device=None, buffers="none")
 
 
 def configure(zero, model, units, param_dtype, settings):
@@ -617,6 +627,9 @@ def configure(zero, model, units, param_dtype, settings):
     s = {**SETTINGS, **settings}
     zero.overlap, zero.bucket_bytes, zero.check_steps = s["overlap"], s["bucket_bytes"], \
         s["check_steps"]
+    if s["buffers"] not in ("broadcast", "none"):
+        raise ValueError(f"zero: buffers must be 'broadcast' or 'none', not {s['buffers']!r}")
+    zero.buffers = s["buffers"]
     zero.world = dist.get_world_size()
     zero.N = s["shard_size"] or zero.world  # Part I's N: with hybrid sharding, G (below)
     zero.mixed_precision = param_dtype is not None
@@ -625,8 +638,10 @@ def configure(zero, model, units, param_dtype, settings):
     zero.device = build_device(zero, s["device"])  # the model's, or where a meta model is built
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
     zero.in_flight, zero.meter = InFlight(zero), Meter(zero)  # (speed; measurement)
+    zero.forwards = count_forwards(model)  # (gathered() refuses to run inside one)
     check_ranks_agree(zero, param_dtype)  # every rank has the same model and settings
     zero.shard_group, zero.replica_group = hybrid_groups(zero)  # without hybrid: None, None
+    guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
     return zero.units
 
 # ----------------------------------------------------------------------------------------------
@@ -763,6 +778,26 @@ def replicate_the_rest(zero, param_dtype):
         dist.broadcast(t.data, src=0)
     if zero.mixed_precision:
         cast_frozen_and_inputs(zero.model, zero.unit_modules, param_dtype)
+    if zero.buffers == "broadcast":
+        zero.model.register_forward_pre_hook(functools.partial(_broadcast_buffers,
+                                                               weakref.ref(zero)))
+
+
+def _broadcast_buffers(zero_ref, model, args):
+    # buffers="broadcast": rank 0's buffers to every rank before each forward, as DDP does, so
+    # that what a forward updates (BatchNorm's running mean and variance, its batch count) is
+    # rank 0's on every rank when a forward starts; each rank then updates it from its own
+    # batch. Only in forwards with gradients on, as DDP: an evaluation that rank 0 runs alone
+    # (under torch.no_grad()) must not wait for the other ranks.
+    zero = zero_ref()
+    if zero is None or not torch.is_grad_enabled():
+        return
+    works = []
+    for _, b in model.named_buffers():
+        works.append(dist.broadcast(b, src=0, async_op=True))
+        zero.meter.sent("broadcast", b)
+    for w in works:
+        w.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1125,28 +1160,63 @@ PIECE = {"cpu": 1 << 20, "cuda": 1 << 22}
 
 def optimizer_pieces(zero):
     """The tensors the optimizer steps: each unit's master (the elements this rank steps) cut
-    where a parameter ends, and within a parameter into pieces of at most PIECE elements (views,
-    no copy). Exact all the same (element-wise optimizers). The cuts at parameters make a piece
-    belong to one parameter (unit.owner; the unit's padding rides with its last one), so that
-    step() can hand the optimizer no gradient for a parameter that got none, as torch skips
-    it. The cuts by size bound the temporaries torch's optimizers allocate per tensor (Adam's
+    into pieces of at most PIECE elements (views, no copy). Exact all the same (element-wise
+    optimizers). The cuts bound the temporaries torch's optimizers allocate per tensor (Adam's
     sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter shard would be 200 MB
     of transient memory. So with their for-loop implementation, the default on CPU; on CUDA the
     default is foreach, which makes each temporary for all the tensors at once: one fp32 [S]
-    while the step runs, whatever the pieces. The price: more tensors per step (about one per
-    parameter, as torch's own optimizers take anyway), and a step counter of Adam's for each
-    (4 bytes)."""
+    while the step runs, whatever the pieces. unit.owners: the parameters each piece holds
+    elements of (the unit's padding rides with its last one); step() hands a piece no gradient
+    when none of them got one. A unit where some parameter of a piece got one and another did
+    not is cut again where parameters end (split_pieces), once and for good: each parameter then
+    has pieces of its own, as torch steps each parameter or skips it. Not before: a piece per
+    parameter is a tensor per parameter for the optimizer (Adam's per-tensor work, and its 4-byte
+    step counter), for a model that may never leave one without a gradient."""
     device = zero.units[0].flat.device
     zero.piece = PIECE.get(device.type, PIECE["cuda"])
     for u in zero.units:
-        u.pieces, u.owner, lo, hi = [], [], u.stepped.start, u.stepped.stop
-        ends = [u.offset[p] for p in u.params[1:]] + [u.flat.numel()]  # where each one's ends
-        for p, end in zip(u.params, ends):
-            a, b = max(u.offset[p], lo), min(end, hi)  # p's elements that this rank steps
-            for start in range(a, b, zero.piece):
-                u.pieces.append(u.master[start - lo:min(start + zero.piece, b) - lo])
-                u.owner.append(p)
+        u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
     return [piece for u in zero.units for piece in u.pieces]
+
+
+def cut_pieces(zero, u, per_parameter):
+    """(pieces, owners) of unit u: cut every PIECE elements from the start of what this rank
+    steps, and (per_parameter) where each parameter starts: each piece then lies in one."""
+    lo, hi = u.stepped.start, u.stepped.stop
+    cuts = set(range(lo, hi, zero.piece)) | {hi}
+    if per_parameter:
+        cuts |= {u.offset[p] for p in u.params if lo < u.offset[p] < hi}
+    cuts = sorted(cuts)
+    pieces, owners = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        pieces.append(u.master[a - lo:b - lo])
+        owners.append(tuple(p for p in u.params if u.offset[p] < b and
+                            u.offset[p] + p.numel() > a) or (u.params[-1],))  # (padding)
+    return pieces, owners
+
+
+def split_pieces(zero, units):
+    """Cut the pieces of `units` where parameters start (cut_pieces), in place for the
+    optimizer: its one group's tensors and its state, each new piece's per-element state (Adam's
+    m and v) copied from the piece it was part of, and the scalars (its step count), which the
+    parameters of one piece share (they were stepped together)."""
+    units, state = [u for u in units if not u.per_parameter], zero.optimizer.state
+    for u in units:
+        old = [(piece, piece.storage_offset()) for piece in u.pieces]
+        u.pieces, u.owners = cut_pieces(zero, u, per_parameter=True)
+        u.per_parameter = True
+        for piece in u.pieces:
+            start = piece.storage_offset()
+            whole, at = next((w, o) for w, o in old if o <= start < o + w.numel())
+            if whole in state:
+                state[piece] = {k: v[start - at:start - at + piece.numel()].clone()
+                                if torch.is_tensor(v) and v.shape == whole.shape else
+                                v.clone() if torch.is_tensor(v) else v
+                                for k, v in state[whole].items()}
+        for whole, _ in old:
+            state.pop(whole, None)
+    if units:
+        zero.optimizer.param_groups[0]["params"] = [p for u in zero.units for p in u.pieces]
 
 
 # Speed 5, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
@@ -1289,7 +1359,7 @@ def _nbytes(tensors):
     return sum(n for ptr, n in storages.items() if ptr)
 
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups", "broadcast")
 
 
 class Meter:
@@ -1312,7 +1382,7 @@ class Meter:
         code = KINDS.index(kind)  # not hash(kind): str hashes differ from process to process
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
         n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # in the ring
-        times = 2 if kind.startswith("all_reduce") else 1
+        times = 2 if kind.startswith("all_reduce") else 1  # (a broadcast: (N-1)/N M, pipelined)
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
     def breakdown(self):
@@ -1396,9 +1466,10 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
     return out
 
 
-def estimate(psi, world, shard_size=None):
-    """Per-rank model-state memory for each stage, from the formula alone: no model, no ranks;
-    and the elements each rank sends per step, inside its group of G and across the groups."""
+def estimate(psi, world, shard_size=None, stages=range(4)):
+    """Per-rank model-state memory for each stage (or those in `stages`), from the formula
+    alone: no model, no ranks; and the elements each rank sends per step, inside its group of G
+    and across the groups."""
     G = shard_size or world
     print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
           f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks"
@@ -1406,20 +1477,33 @@ def estimate(psi, world, shard_size=None):
           + ",\nmixed-precision Adam: 2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n")
     print(f"{'stage':<27} {'params':>9} {'grads':>9} {'optimizer':>9} {'total':>9}  "
           f"{'sent, in group':>14} {'across groups':>14}")
-    for stage in range(4):
+    for stage in stages:
         m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12, G).items()}
         sent = comm_formula(stage, psi, world, 1, 1, shard_size=G)
         across = sent.pop("all_reduce across groups", 0)
         inside = sum(sent.values()) if stage or G == world else 0
         across += 0 if stage or G == world else sum(sent.values())  # stage 0: all-reduce over N
-        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} {m['params']:>6.2f} GB "
-              f"{m['grads']:>6.2f} GB {m['optimizer']:>6.2f} GB {sum(m.values()):>6.1f} GB  "
-              f"{inside:>14.4g} {across:>14.4g}")
-    print("\nsent: elements per rank per step (ring algorithms): 2Ψ(N-1)/N for stages 0-2, "
-          "3Ψ(N-1)/N for stage 3" + (";\nwith G < N the reduce-scatters and all-gathers run "
-                                     "inside a group of G, and each shard's all-reduce\n"
-                                     "crosses the groups (stage 0's all-reduce runs over all "
-                                     "N)" if G < world else ""))
+        gb = [_fit(m[k], 2) for k in ("params", "grads", "optimizer")] + [_fit(sum(m.values()), 1)]
+        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} "
+              + " ".join(f"{x:>6} GB" for x in gb) + f"  {inside:>14.4g} {across:>14.4g}")
+    ring = "2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3" if len(stages) == 4 else \
+        ", ".join(f"{3 if s == 3 else 2}Ψ(N-1)/N for stage {s}" for s in stages)
+    print(f"\nsent: elements per rank per step (ring algorithms): {ring}"
+          + (";\nwith G < N the reduce-scatters and all-gathers run "
+             "inside a group of G, and each shard's all-reduce\n"
+             "crosses the groups (stage 0's all-reduce runs over all "
+             "N)" if G < world else ""))
+
+
+def _fit(x, decimals, width=6):
+    """x with `decimals` decimals, or in fewer significant digits where that is wider than
+    `width` (Ψ = 1e30): the table's columns hold."""
+    text = f"{x:.{decimals}f}"
+    for digits in (3, 2, 1):
+        if len(text) <= width:
+            break
+        text = f"{x:.{digits}g}"
+    return text if len(text) <= width else f"{x:.0e}"
 
 
 # The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
@@ -1747,7 +1831,8 @@ def check_ranks_agree(zero, param_dtype):
     # garbage. So the first collective is a small one every rank can make: each of them.
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
-                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.N)
+                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.N,
+                    buffers=zero.buffers)
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
               **{k: _digest(v) for k, v in settings.items()}}
     rows = _all_ranks(list(fields.values()), zero.device)
@@ -1814,14 +1899,60 @@ def check_gradient(zero, p):
 
 def zero_unused_grads(zero, unit):
     """Stages 0 and 1, before a unit is reduced: a parameter with no gradient since zero_grad()
-    (unused) still has last step's values in its slice of the buffer: zero them. Another rank
-    may have one (the mean counts this rank's as zero; if none has, step() does not step it),
-    so p.grad becomes the view like any other: reduced, it holds that mean, which a later
-    backward adds to, not replaces."""
+    (unused here) still has last step's values in its slice of the buffer: zero them, so that
+    the reduction counts this rank's as zero. Its .grad stays None, as torch leaves it; the
+    slice, once reduced, holds the mean over the ranks, which a later backward adds to
+    (unit.hidden: DataParallel._on_grad) and step() or clip_grad_norm_() shows as p.grad if
+    some rank used p (show_means), as DDP does. Between backward and step() it is not shown:
+    whether another rank used p is known only then (check_step_agrees). A .grad of zeros that
+    zero_grad(set_to_none=False) kept is a gradient, stepped as torch steps it (unit.received)."""
     if zero.keeps_full_grads:
         for p in unit.params:
-            if p.grad is None:
-                p.grad = unit.view(unit.grad, p).zero_()
+            if p.grad is None and p not in unit.hidden:
+                unit.view(unit.grad, p).zero_()
+                unit.hidden.add(p)
+                unit.received.discard(p)  # (a .grad of zeros kept by zero_grad, set to None since)
+
+
+def settle_unused(zero):
+    """Once the per-step check knows which parameters no rank gave a gradient (zero.with_grad):
+    p.grad of each parameter this rank did not use is the mean it holds in the buffer if some
+    rank used it, None (as torch) if none did (stages 0, 1); and a unit with a piece that holds
+    parameters of both kinds gets pieces per parameter (split_pieces), so that step() skips
+    exactly those."""
+    for u in zero.units:
+        for p in u.hidden & zero.with_grad:
+            p.grad = u.view(u.grad, p)
+            u.received.add(p)  # (it has a .grad: zero_grad(set_to_none=False) keeps it)
+        u.hidden.clear()
+    split_pieces(zero, [u for u in zero.units if any(
+        not zero.with_grad.isdisjoint(o) and not zero.with_grad.issuperset(o) for o in u.owners)])
+
+
+def guard_conversions(model):
+    """model.to(dtype or device), .float(), .half(), .cuda()... after wrap(): torch would set each
+    parameter's .data to a converted copy, so that the model computes with tensors that are no
+    longer views of the units zero.py reduces, steps and (stage 3) gathers, and trains silently
+    wrong, or at stage 3 reads freed memory. Refused, saying what to do instead; a conversion
+    that leaves the units' parameters as they are (to their own dtype and device) still converts
+    the rest (buffers, frozen parameters)."""
+    names = {p: n for n, p in model.named_parameters()}
+    for module in model.modules():
+        module._apply = functools.partial(_convert, module._apply, names)
+
+
+def _convert(apply, names, fn, recurse=True):
+    for p, name in names.items():
+        if hasattr(p, "_zero_unit"):
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
+            if (probe.dtype, probe.device) != (p.dtype, p.device):
+                raise RuntimeError(
+                    f"zero: converting the wrapped model would make {name} {probe.dtype} on "
+                    f"{probe.device}, outside the flat buffers zero.py trains: build the model "
+                    "in that dtype and on that device before wrap() (mixed precision: "
+                    "wrap(param_dtype=...))")
+    with torch._C.DisableTorchFunctionSubclass():  # (stage 3: p itself, not its values)
+        return apply(lambda t: t if hasattr(t, "_zero_unit") else fn(t), recurse)
 
 
 def sparse_gradient_error(zero, p):
@@ -1852,6 +1983,72 @@ def refuse_unfrozen(zero):
             raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
                                "shards and steps the parameters trainable then; build the model "
                                "with it trainable and wrap it again")
+
+
+# ----------------------------------------------------------------------------------------------
+# Full parameters for a moment: `with optimizer.gathered(modules=None, writeback=False):`, as
+# FSDP1's summon_full_params and DeepSpeed's GatheredParameters. Inside, the parameters of the
+# given modules (default: the whole model) hold their full values: stage 3 all-gathers the
+# units that hold them (only those: pass one block to hold one unit), stages 0-2 hold them
+# already. Reading works as on a plain model: evaluation, generation (under torch.no_grad(),
+# whose forwards gather nothing more), an EMA, norms for a log. With writeback=True what the
+# code wrote lands, when the block ends, in every rank's parameters, shards and fp32 masters,
+# rank 0's values winning (a broadcast: DeepSpeed's modifier_rank=0); without it, what is
+# written is not kept in step across ranks, nor (stage 3, mixed precision) kept at all.
+# Every rank enters the block (a collective at stage 3 and with writeback), never inside a
+# forward or backward. The optimizer's state (Adam's m and v) is left as it is.
+
+def count_forwards(model):
+    """[the forwards of the model running now], kept by two hooks (the second runs even when
+    the forward raises)."""
+    running = [0]
+    model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
+    model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1),
+                                always_call=True)
+    return running
+
+
+@contextlib.contextmanager
+def gathered(zero, modules=None, writeback=False):
+    if zero.forwards[0] or torch._C._current_graph_task_id() != -1:
+        raise RuntimeError("zero: optimizer.gathered() inside a forward or backward: a module "
+                           "computes with its units gathered already; enter it between steps")
+    modules = [zero.model] if modules is None else \
+        [modules] if isinstance(modules, nn.Module) else list(modules)
+    wanted = dict.fromkeys(p for m in modules for p in m.parameters())  # (in order: broadcasts)
+    units = [u for u in zero.units if any(p in wanted for p in u.params)]
+    kept = {u for u in units if u.gathered}  # (stage 3: the root, between forward and backward)
+    for u in units:
+        if zero.stage == 3:
+            zero._gather(u)
+            u.users += 1  # not freed by a forward inside the block
+    mine = [u.flat[u.stepped].clone() for u in units] if writeback and zero.mixed_precision \
+        else None  # this rank's stepped elements as they were: the masters of those changed
+    try:
+        yield
+        if writeback:
+            _write_back(zero, units, wanted, mine)
+    finally:
+        for u in units:
+            if zero.stage == 3:
+                u.users -= 1
+                if u.users == 0 and u not in kept:
+                    zero._free(u)
+
+
+def _write_back(zero, units, wanted, mine):
+    for i, u in enumerate(units):
+        dist.broadcast(u.flat, src=0)  # rank 0's values, on every rank
+        zero.meter.sent("broadcast", u.flat)
+        if zero.stage == 3:
+            u.shard.copy_(u.flat[u.my_slice])  # the shard lives in storage of its own
+        if zero.mixed_precision:  # the fp32 master of an element written, not of the others:
+            new = u.flat[u.stepped]  # an element left alone keeps its fp32 bits
+            changed = new != mine[i]
+            u.master[changed] = new[changed].to(u.master.dtype)
+    for p in wanted:
+        if not hasattr(p, "_zero_unit"):  # frozen: whole on every rank
+            dist.broadcast(p.data, src=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1906,8 +2103,8 @@ def checkpoint_part(zero):
     # optimizer holds no state for it yet (never stepped), and its per-element state is zeros.
     scalars = {}
     for u in zero.units:
-        for piece, p in zip(u.pieces, u.owner):
-            if state[piece]:  # a copy: a later step must not change what this returned
+        for piece, owners in zip(u.pieces, u.owners):
+            for p in owners if state[piece] else ():  # a copy: a later step must not change it
                 scalars[names[p]] = {k: v.clone() if torch.is_tensor(v) else v
                                      for k, v in state[piece].items() if not per_element(v, piece)}
     for u in zero.units:
@@ -2033,9 +2230,12 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
                         t[a - lo:b - lo] = read(names[p], a - u.offset[p], b - u.offset[p], k)
             u.master.copy_(values.pop("master"))
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+            if any(len({_digest(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
+                split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
             sizes = [piece.numel() for piece in u.pieces]
             chunks = (t.split(sizes) for t in values.values())
-            for piece, p, *chunk in zip(u.pieces, u.owner, *chunks):
+            for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
+                p = owners[0]  # (the parameters of a piece have the same scalars)
                 if names[p] in scalars:  # the optimizer has state for p (it was stepped)
                     state[piece] = {**dict(zip(values, chunk)),
                                     **{k: v.clone() if torch.is_tensor(v) else v
@@ -2197,6 +2397,26 @@ def _atomic_write(path, write):
             os.remove(tmp)
         raise
     _fsync_dir(os.path.dirname(path))  # and so is the rename
+
+
+def _exchange(a, b):
+    """Swap the names of directories a and b in one step: Linux's renameat2(RENAME_EXCHANGE),
+    so that b is at every moment either the old directory or the new one, whole. Where the
+    system has no such call: two renames, between which b is briefly missing (its old contents
+    whole at a)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):
+        AT_FDCWD, RENAME_EXCHANGE = -100, 2
+        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b),
+                          RENAME_EXCHANGE) == 0:
+            return _fsync_dir(os.path.dirname(b))
+        if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
+    os.rename(b, a + ".old")
+    os.rename(a, b)
+    os.rename(a + ".old", a)
+    _fsync_dir(os.path.dirname(b))
 
 
 def _is_temporary(name):
@@ -2364,11 +2584,20 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
-    path = os.path.join(root, f"step_{step:08d}")
+    final = path = os.path.join(root, f"step_{step:08d}")
+    device = opt.units[0].flat.device
+    # Overwriting a complete checkpoint of the same step: the new one is written whole beside it
+    # and then takes its name in one rename (_exchange), so that the old one stays whole until
+    # the new one is complete. (Every rank sees the same: no manifest is written before the
+    # all-gather below. Rank 0 clears what a killed overwrite may have left, then a barrier.)
+    if os.path.exists(os.path.join(final, "manifest.json")):
+        path = final + ".tmp0"  # (a temporary name: _is_temporary, never a step: _step_of)
+        if opt.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _first_error("", device)
     q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
     name = os.path.join(path, f"rank_{q:05d}.pt")
     manifest_path = os.path.join(path, "manifest.json")
-    device = opt.units[0].flat.device
 
     def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
         if error:
@@ -2406,6 +2635,9 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
                     "extra": extra or {}}
         try:
             _atomic_write(manifest_path, lambda f: f.write(_json_lines(manifest).encode()))
+            if path != final:  # complete: it takes the old one's name, the old one goes
+                _exchange(path, final)
+                shutil.rmtree(path, ignore_errors=True)
         except OSError as e:
             error = f"rank 0: {manifest_path}: {e.strerror or e}"
         else:
@@ -3344,31 +3576,73 @@ def oom_line(args, rank, world, psi, where):
 
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
-    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying:
-    doubling the blocks until a trial fails, then halving the gap. Each trial is a fresh job of
-    N processes on this machine; one that runs out of memory ends that trial only."""
-    N, rows, start = args.world_size, [], 1
+    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
+    Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
+    that trial only. The search starts where the formula puts the wall and brackets it:
+    wall_guess() says where, from what the trials that fitted measured."""
+    N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    with torch.device("meta"):  # Ψ grows by one block's parameters per block
+        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
+                                               args.n_head).parameters()) for n in (1, 2))
+    formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
+        stage, one + (layers - 1) * (two - one), N, pb, gb, ob, args.shard_size).values())
+    before = []  # the previous stage's (layers, what it held beyond the formula) that fitted
     for stage in range(4):
-        tried = {}
+        tried, fitted = {}, []
 
         def fits(layers):
             if layers not in tried:
-                tried[layers] = _trial(args, stage, layers)
-                res = tried[layers]
+                tried[layers] = res = _trial(args, stage, layers)
+                count[0] += 1
                 print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
                       ("trained" if res["ok"] else res["error"][:60]), flush=True)
+                if res["ok"]:
+                    fitted.append((layers, res["state"] + res["rest"] - formula(stage, layers)))
             return tried[layers]["ok"]
-        lo, hi = 0, start  # lo: the most blocks known to fit (0: none); hi: the next to try
-        while fits(hi):
-            lo, hi = hi, hi * 2
-            if hi > MAX_LAYERS:
+        hi, up, down = None, 0, 0  # lo: the most blocks known to fit (a later stage holds less
+        while hi is None or hi - lo > 1:  # than an earlier one); hi: the fewest that do not
+            guess = wall_guess(fitted, before, lambda n: formula(stage, n), args.max_memory)
+            if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
+                layers, up = lo + 2 ** up, up + 1
+            elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
+                layers, down = hi - 2 ** down, down + 1
+            else:
+                layers, up, down = guess, 0, 0
+            layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
+            lo, hi = (layers, hi) if fits(layers) else (lo, layers)
+            if lo >= MAX_LAYERS:
                 break
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        if lo and lo not in tried:  # the previous stage's wall, not tried at this stage
+            fits(lo)
         rows.append((stage, tried.get(lo), tried.get(hi)))
-        start = max(lo, 1)  # a later stage holds less: it fits at least as many blocks
+        before = fitted or before
     print_memory_wall(args, rows)
+    print(f"{count[0]} trials in {time.time() - t0:.0f} s")
+
+
+def wall_guess(fitted, before, formula, limit):
+    """Where the wall should be: the most blocks whose formula (model state alone) plus what
+    the trials that fitted held beyond it (the rest, and the transient buffers the formula does
+    not count) stays within the limit. That excess grows slowly with the blocks (activations):
+    taken from this stage's largest trial that fitted, growing as between its two largest;
+    before any at this stage, the previous stage's plus half (a later stage holds more
+    transient buffers: its first guess errs low, and the trial it makes measures this stage's);
+    before any at all, 1 block (a trial that measures)."""
+    if fitted:
+        top = sorted(fitted)[-2:]  # (blocks, excess bytes), the two largest
+        (n0, x0), (n1, x1) = top[0], top[-1]
+        slope = max(x1 - x0, 0) / (n1 - n0) if n1 > n0 else 0
+        excess = lambda n: x1 + slope * max(n - n1, 0)  # noqa: E731
+    elif before:
+        excess = lambda n: 1.5 * max(before)[1]  # noqa: E731
+    else:
+        return 1
+    lo, hi = 0, MAX_LAYERS + 1  # formula(n) + excess(n) grows with n: bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if formula(mid) + excess(mid) <= limit else (lo, mid)
+    return lo
 
 
 MAX_LAYERS = 4096  # --largest-model stops doubling here
@@ -3662,7 +3936,11 @@ def main(argv=None):
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
-        estimate(args.params, args.world_size, args.shard_size)
+        if args.ckpt_dir:
+            raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
+        stage_given = _flag_given(p, "--stage", argv)
+        estimate(args.params, args.world_size, args.shard_size,
+                 [args.stage] if stage_given else range(4))
     elif args.consolidate:
         if not args.out:
             raise UsageError("--consolidate needs --out FILE")
@@ -3691,6 +3969,15 @@ def main(argv=None):
             report(res, args)
             if args.timeline:
                 show_timeline([timeline_panel(res, args)], args.timeline)
+
+
+def _flag_given(parser, flag, argv):
+    """Whether the command line names `flag` (or an abbreviation argparse takes for it), and not
+    only its default applies."""
+    argv = sys.argv[1:] if argv is None else argv
+    names = [a.split("=")[0] for a in argv if a.startswith("--")]
+    return any(n == flag or (parser.allow_abbrev and len(n) > 2 and flag.startswith(n))
+               for n in names)
 
 
 PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out",
