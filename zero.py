@@ -225,13 +225,8 @@ class DataParallel:
         # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
-        if p in unit.hidden and p not in unit.received:  # a mean p.grad did not show: add to it
-            view.add_(p.grad.detach(), alpha=1 / self.N if unit.divided else 1)
-        elif p.grad.data_ptr() != view.data_ptr():
-            if unit.divided:
-                torch.mul(p.grad.detach(), 1 / self.N, out=view)
-            else:
-                view.copy_(p.grad.detach())
+        if p.grad.data_ptr() != view.data_ptr():
+            copy_in(self, unit, p, view)  # its values (/ N while copying: speed 2; see there)
         p.grad = view if self.keeps_full_grads else None
         unit.unreduced, unit.arrived = True, unit.arrived + 1
         unit.received.add(p)  # step() steps only what got a gradient on some rank
@@ -1111,10 +1106,25 @@ class Prefetch:
 # it safe.
 
 
+def copy_in(zero, unit, p, view):
+    """A new p.grad, p's whole gradient so far, into its view of the unit's flat gradient
+    (DataParallel._on_grad): copied, or divided by N as it is copied (divides_while_copying);
+    or added to what the view holds, where that is a mean of the other ranks' gradients that
+    this rank's p.grad did not show (unit.hidden: zero_unused_grads), as torch adds a new
+    gradient to an existing .grad."""
+    scale = 1 / zero.N if unit.divided else 1
+    if p in unit.hidden and p not in unit.received:
+        view.add_(p.grad.detach(), alpha=scale)
+    elif unit.divided:
+        torch.mul(p.grad.detach(), scale, out=view)
+    else:
+        view.copy_(p.grad.detach())
+
+
 def divides_while_copying(zero, unit):
     # Speed 2, as DDP: at stage 0, if the buffer holds nothing yet (no gradient since
     # zero_grad()) and is all-reduced in this backward, divide by N while copying gradients in
-    # (the torch.mul in _on_grad). The all-reduce then sums means, and the separate pass of / N
+    # (copy_in). The all-reduce then sums means, and the separate pass of / N
     # after it, a whole pass over the gradient, is saved. (Sum of x/N or sum / N: the same bits
     # when N is a power of two, else within rounding.) Not for a reduction of a copy in
     # reduce_dtype: that divides as it lands. Not from stage 1 on: the sum stays a sum until
