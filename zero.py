@@ -37,7 +37,8 @@ and ZeRO puts the optimizer step in between. Stage 3 pays 50% more, and latency:
 waits for its all-gather before it computes.
 
 How to read this file. Part I is the algorithm, complete: set-up, the sharded layout (a Unit),
-the two collectives, one class per stage, each a small diff on the one before it, and wrap().
+the two collectives, one class per stage, each a subclass of the one before it that overrides
+what it changes, and wrap().
 Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Then see them break:
 mistakes.py runs the classic mistakes (no division by N, a ZeRO-2 that reduces after backward,
 clipping by one shard's norm...), each a one-method subclass of a stage here, beside the right
@@ -105,13 +106,14 @@ def setup(backend=None, device=None, timeout_s=120):
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
 # units=[] everything is one unit, the root. Default: default_units(model) (Part II).
 # (Hybrid sharding: N shards of a unit over each group of N ranks, the groups replicas of each
-# other; the padding is to a multiple of the world size, for checkpoints: see hybrid_groups.)
+# other, and in this Part N is the group's size; the padding is to a multiple of the world size
+# instead, the number of parts a checkpoint is written in: see hybrid_groups.)
 
 class Unit:
     def __init__(self, modules, params, rank, N, world):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world) * world // N  # ceil(numel / N) (world: see above)
+        self.S = -(-numel // world) * world // N  # ceil(numel / N) (hybrid sharding: above)
         self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
@@ -123,13 +125,13 @@ class Unit:
         self.stepped = self.my_slice  # the elements this rank's optimizer steps (stage 0: all)
         self.master = self.shard      # what the optimizer steps: the shard, or its fp32 copy
         self.grad = None              # [N*S] the full gradient, while this rank holds one
-        self.grad_shard = None        # [S] the gradient of what it steps: the sum over ranks / N
+        self.grad_shard = None        # the gradient of what it steps ([S]): summed, then / N
         # Bookkeeping: what backward has done so far, and stage 3's gathers.
         self.arrived = 0         # its parameters given a gradient in this backward
         self.received = set()    # ... and those given one since zero_grad() (or zeros it kept)
         self.unreduced = False   # it holds local gradients that no reduction has summed yet
         self.divided = False     # this backward's gradients were divided by N as copied in
-        self.hidden = set()      # stages 0, 1: unused here, its mean not shown (zero_unused_grads)
+        self.hidden = set()      # stages 0, 1: unused here, so .grad None (zero_unused_grads)
         self.users, self.gathered_at, self.prefetch = 0, 0, None  # stage 3 (ZeRO3._gather)
         self.index = None        # its place in the model's list of units (make_units)
 
@@ -165,10 +167,10 @@ def all_gather(out, shard, async_op=False, group=None):
 
 # ----------------------------------------------------------------------------------------------
 # Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
-# the same at every stage: backward -> _on_grad copies it into its unit's flat gradient ->
-# _reduce_unit sums the unit over ranks (_reduce) -> / N, the mean (stage 0: _land; stages 1-3:
-# _reduce_grads) -> step() hands each optimizer tensor its slice of it -> optimizer.step() ->
-# _gather_params (stages 1-3).
+# the same at every stage: backward -> _on_grad puts it into its unit's flat gradient ->
+# _reduce_unit sums the unit over ranks (_reduce) -> / N, the mean (stage 0: as it lands, _land;
+# stages 1-3: _reduce_grads) -> step() hands each optimizer tensor its slice of it ->
+# optimizer.step() -> _gather_params (stages 1 and 2; stage 3 gathers at the next forward).
 
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
@@ -182,7 +184,7 @@ class DataParallel:
     def __init__(self, model, optimizer, units=None, param_dtype=None, init=None, **settings):
         self.model, self.rank = model, dist.get_rank()
         # wrap()'s settings, the units (default_units: one per block), the same on every rank
-        # (Part II). self.N: the ranks a unit is cut over, gradients averaged by (hybrid: G).
+        # (Part II). self.N: the ranks a unit is cut over, all (hybrid sharding: G, see above).
         self.units = configure(self, model, units, param_dtype, settings)
         for unit in materialize(self, init):  # (a meta-device model: allocated unit by unit)
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
@@ -259,7 +261,7 @@ class DataParallel:
 
     def _land(self, unit, g):
         # Every rank holds the sum over ranks: / N, the mean. Accumulating (without no_sync)
-        # adds to it, and reducing again is still right: (N·mean + sum of new) / N = mean + new.
+        # adds to it, and reducing again is still right: (N·mean + new sum) / N = mean + new mean.
         unit.grad.copy_(g if unit.divided else g.div_(self.N))
 
     def _reduce_grads(self):
@@ -293,9 +295,9 @@ class DataParallel:
 
     def step(self):
         self._reduce_grads()
-        # The hand-off: the optimizer steps pieces of each unit's master, and a piece's .grad is
-        # the same slice of grad_shard, the mean gradient (in mixed precision an fp32 copy); None
-        # for the parameters no rank gave a gradient: torch's optimizers skip them, values, state.
+        # The hand-off: the optimizer steps pieces of each unit's master (optimizer_pieces), and
+        # a piece's .grad is the same slice of grad_shard, the mean gradient (an fp32 copy in
+        # mixed precision). None where no rank gave its parameters one: torch skips such a tensor.
         for u in self.units:
             grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
             for piece, grad, owners in zip(u.pieces, grads, u.owners):
@@ -309,11 +311,14 @@ class DataParallel:
 
     def zero_grad(self, set_to_none=True):  # as torch's: .grad None, or zeros (set_to_none=False)
         for u in self.units:
-            if self.keeps_full_grads and set_to_none:  # as DDP, no pass over the buffer: the
-                for p in u.params:  # next backward's gradients overwrite it, zero_unused_grads
-                    p.grad = None   # zeroes what none does
-            else:  # zeros, which backward adds to in place (stages 2, 3: grad_shard; .grad None)
-                (u.grad_shard if u.grad is None else u.grad).zero_()
+            # As DDP, no pass over the buffer: the next backward's gradients overwrite it, and
+            # zero_unused_grads zeroes what none does. Zeros (set_to_none=False; stages 2 and 3
+            # always) are kept in the buffer or the shard, which backward then adds to.
+            if self.keeps_full_grads and set_to_none:
+                for p in u.params:
+                    p.grad = None
+            else:
+                (u.grad_shard if u.grad is None else u.grad).zero_()  # (stages 2, 3: no grad)
             u.unreduced, u.hidden = False, set()
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
@@ -417,7 +422,7 @@ class ZeRO2(ZeRO1):
     def _reduce_unit(self, unit):
         super()._reduce_unit(unit)  # the same reduce-scatter as ZeRO1, launched during backward
         unit.grad = None  # dropped here; the reduced slice keeps the [N*S] buffer until it lands
-        self.meter.event("gradient buffer dropped", unit)  # (or it has landed, and is gone)
+        self.meter.event("gradient buffer dropped", unit)  # (freed once the sum has landed)
 
     def _land(self, unit, summed):
         unit.grad_shard.add_(summed)  # the sum over ranks, added up over backward calls; / N later
@@ -1913,7 +1918,7 @@ def zero_unused_grads(zero, unit):
     the reduction counts this rank's as zero. Its .grad stays None, as torch leaves it; the
     slice, once reduced, holds the mean over the ranks, which a later backward adds to
     (unit.hidden: DataParallel._on_grad) and step() or clip_grad_norm_() shows as p.grad if
-    some rank used p (show_means), as DDP does. Between backward and step() it is not shown:
+    some rank used p (settle_unused), as DDP does. Between backward and step() it is not shown:
     whether another rank used p is known only then (check_step_agrees). A .grad of zeros that
     zero_grad(set_to_none=False) kept is a gradient, stepped as torch steps it (unit.received)."""
     if zero.keeps_full_grads:
