@@ -1381,11 +1381,12 @@ def test_torch_gradient_conventions_and_conversions(one_rank, stage):
     plain, model = build(), build()
     ref = TASKS_OPTIMIZER(plain.parameters())
     opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[model[0], model[1]])
-    for bad in (model.half, functools.partial(model.to, torch.float64), model[1].double):
+    for bad, named in ((model.half, "0.weight"), (functools.partial(model.to, torch.float64), "0.weight"),
+                       (model[1].double, "1.weight"), (model[2].half, "2.weight")):  # the module's own
         with pytest.raises(RuntimeError) as e:
             bad()
-        assert str(e.value).startswith("zero: converting the wrapped model would make ") and "\n" not in str(e.value)
-        assert "before wrap()" in str(e.value)
+        assert str(e.value).startswith(f"zero: converting the wrapped model would make {named} ")
+        assert "before wrap()" in str(e.value) and "\n" not in str(e.value)
     model.to("cpu").float().to(torch.float32)  # nothing to convert: fine
     x = torch.randn(B, D)
     for step in range(3):  # zero_grad(set_to_none=False) after step 0 only
@@ -2458,6 +2459,8 @@ def checkpoint_error_cases(tmp):
             (["--init-from", plain], "--init-from"), (["--init-from", os.path.join(tmp, "none.pt")], "No such file"),
             (["--consolidate", tmp], "needs --out"),
             (["--consolidate", os.path.join(tmp, "empty"), "--out", plain], "no complete checkpoint"),
+            (["--consolidate", plain, "--out", plain + ".out"], "not a directory"),
+            (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out"], "no such directory"),
             (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
 
 
@@ -2466,6 +2469,7 @@ def cli_errors(rank, world):
     tmp = os.environ["ZERO_TEST_TMP"]
     if rank == 0:
         torch.save({"x": torch.zeros(2)}, os.path.join(tmp, "plain.pt"))
+        os.makedirs(os.path.join(tmp, "empty"), exist_ok=True)
     dist.barrier()
     return [main_refused(zero.main, [*CKPT, "--steps", "2", *args]) for args, _ in checkpoint_error_cases(tmp)]
 

@@ -1953,11 +1953,12 @@ def guard_conversions(model):
     the rest (buffers, frozen parameters)."""
     names = {p: n for n, p in model.named_parameters()}
     for module in model.modules():
-        module._apply = functools.partial(_convert, module._apply, names)
+        module._apply = functools.partial(_convert, module, module._apply, names)
 
 
-def _convert(apply, names, fn, recurse=True):
-    for p, name in names.items():
+def _convert(module, apply, names, fn, recurse=True):
+    for p in module.parameters(recurse=recurse):  # what this conversion would reach
+        name = names[p]
         if hasattr(p, "_zero_unit"):
             probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
             if (probe.dtype, probe.device) != (p.dtype, p.device):
@@ -3072,7 +3073,9 @@ def load_dcp(zero, path):
                     want += [f"model.{names[p]}",
                              *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
         loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
-        dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
+        with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # DCP's own errors: a file it cannot read
@@ -3963,6 +3966,10 @@ def main(argv=None):
         if os.path.isdir(args.out) or not os.path.isdir(where):
             raise UsageError(f"--out {args.out}: " + ("is a directory" if os.path.isdir(args.out)
                                                       else f"no directory {where}"))
+        if not os.path.isdir(args.consolidate):
+            raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
+                args.consolidate) else "no such directory") + ": --consolidate takes a "
+                "checkpoint directory (or a --ckpt-dir, its newest)")
         found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
         path = args.consolidate if found else latest_checkpoint(args.consolidate)
         if path is None or is_dcp(path):
