@@ -66,6 +66,7 @@ import contextlib
 import gc
 import statistics
 import time
+import warnings
 from collections import Counter
 
 import torch
@@ -142,7 +143,9 @@ def materialize(model, args, device):
     with swapping_to_empty():
         model.to_empty(device=device)
     torch.manual_seed(args.seed)
-    model.apply(zero.GPT.init_weights)
+    with warnings.catch_warnings():  # on CPU torch warns that DTensor's random init is not
+        warnings.filterwarnings("ignore", message="DTensor random operators")  # one stream:
+        model.apply(zero.GPT.init_weights)  # known (above), and overwritten below
     full = {}
     if dist.get_rank() == 0:
         if args.init_from:
