@@ -145,7 +145,6 @@ import time
 import traceback
 import types
 import weakref
-from collections import Counter
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_any
 
