@@ -3084,13 +3084,16 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     (root / "step_00000010").write_text("a file")
     leftover = root / "step_00000008" / "rank_00000.pt.tmp12345"  # a save killed midway
     leftover.write_bytes(b"\0" * 100)
+    torn = root / "step_00000006.partial"  # a DCP save (fsdp_demo.py) killed midway
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"\0" * 100)
     assert zero.latest_checkpoint(str(root)) == str(root / "step_00000008")
     zero.main(["--consolidate", str(root), "--out", str(tmp_path / "model.pt")])
     odd = ["step_", "step_000000009", "step_00000009.bak", "step_00000010", "step_9"]
     zero.save_checkpoint(opt, str(root), 2)  # lower than both: kept all the same, once written
     kept = ["step_00000002", "step_00000004", "step_00000008"]
     assert sorted(os.listdir(root)) == sorted(kept + odd)
-    assert not leftover.exists()
+    assert not leftover.exists() and not torn.exists()
     zero.save_checkpoint(opt, str(root), 12)
     assert sorted(os.listdir(root)) == sorted(["step_00000008", "step_00000012", *odd])
 

@@ -2580,15 +2580,17 @@ def _remove_quietly(path):
 
 def _rotate(root, step, keep):
     """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
-    complete ones, but never the one just written (`step`, even if older), and the temporary
-    files that saves killed midway left in the checkpoints kept."""
+    complete ones, but never the one just written (`step`, even if older), the temporary
+    files that saves killed midway left in the checkpoints kept, and the STEP.partial
+    directories of DCP saves killed midway (save_dcp: this one's is renamed by now)."""
     found = sorted(_steps(root))
     if not found:
         return
     kept = set(found[-keep:]) | {step}
     for name in os.listdir(root):
         s = _step_of(name)
-        if s is not None and s < min(found[-keep:]) and s not in kept:
+        partial = name.endswith(".partial") and _step_of(name[:-len(".partial")]) is not None
+        if partial or s is not None and s < min(found[-keep:]) and s not in kept:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     for s in kept:
         path = os.path.join(root, f"step_{s:08d}")
