@@ -3144,6 +3144,25 @@ def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path,
     assert first.keys() == second.keys()
 
 
+def test_a_dcp_checkpoint_saved_again_takes_its_name_in_one_step(tmp_path, monkeypatch):
+    # fsdp_demo.py's DCP saves (zero.save_dcp) commit as save_checkpoint does: a step saved again
+    # is written whole beside the old one, which stays whole until the names are swapped.
+    path, tmp = str(tmp_path / "step_00000003"), str(tmp_path / "step_00000003.partial")
+    for d, what in ((path, "old"), (tmp, "new")):
+        os.makedirs(d)
+        open(os.path.join(d, "__0_0.distcp"), "w").write(what)
+    seen, exchange = [], zero._exchange
+
+    def watched(new, old):  # the moment before the new one takes the name: the old one is whole
+        seen.append(open(os.path.join(old, "__0_0.distcp")).read())
+        exchange(new, old)
+    monkeypatch.setattr(zero, "_exchange", watched)
+    zero._commit_dcp(tmp, path, {"step": 3})
+    assert seen == ["old"] and os.listdir(tmp_path) == ["step_00000003"]
+    assert open(os.path.join(path, "__0_0.distcp")).read() == "new"
+    assert json.load(open(os.path.join(path, zero.DCP_MARKER)))["step"] == 3
+
+
 def unblock_after(fifo, seconds=20):
     """Should a reader wait for ever in open(fifo), a writer's open after `seconds` lets it go."""
     def write():

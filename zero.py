@@ -2982,11 +2982,12 @@ def _commit_dcp(tmp, path, info):
     """Rank 0, once DCP has written every rank's files into tmp: the marker, then the rename."""
     _atomic_write(os.path.join(tmp, DCP_MARKER),
                   lambda f: f.write(_json_lines({"format": DCP_FORMAT, **info}).encode()))
-    if os.path.exists(path):  # the same step again: the old one goes once the new one is whole
-        os.replace(path, path + ".old")
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-    shutil.rmtree(path + ".old", ignore_errors=True)
+    if os.path.exists(path):  # the same step again: the names swapped in one step, as
+        _exchange(tmp, path)  # save_checkpoint does; the old one, now at tmp, goes
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
 
 
 def save_dcp(state, root, step, info, device, keep=2):
