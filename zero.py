@@ -3246,7 +3246,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     limit = getattr(args, "max_memory", None)  # runtime: what the rank held before the limit
     runtime = limit_memory(limit, device) if limit else -1
     if limit and device.type == "cpu":
-        where["data"] = where["data0"] = _status("VmData")  # the data size the limit counts
+        watch_data(where)  # the data size the limit counts, from here (peak_data)
     torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
     net, opt, label = (build or zero_build(args))(model, device)
     track_where(model, where)
@@ -3366,9 +3366,9 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     # peak (-1: none).
     kinds = ("params", "grads", "optimizer")
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    # Under --max-memory: the most this rank allocated above its runtime (CPU: the data size
-    # sampled at every block's forward and backward; CUDA: the allocator's own peak)
-    used = where["data"] - where["data0"] if "data" in where else cuda_peak
+    # Under --max-memory: the most this rank allocated above its runtime (CPU: the data size at
+    # its peak, peak_data; CUDA: the allocator's own peak)
+    used = peak_data(where) - where["data0"] if "data" in where else cuda_peak
     build_peak = getattr(opt, "build_peak", {})
     row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak] + \
         [build_peak.get(k, -1) for k in kinds] + [runtime, used]
@@ -3537,9 +3537,13 @@ def limit_memory(size, device):
     torch.ones(256, 256) @ torch.ones(256, 256)
     # glibc: each allocation of 64 KiB or more gets a mapping of its own, given back when freed
     # (else the heap keeps freed tensors, and the limit counts them). The price: fresh pages, and
-    # their faults, for every new tensor, so a limited run is slower than an unlimited one.
+    # their faults, for every new tensor, so a limited run is slower than an unlimited one. And
+    # one malloc arena for all threads: a thread's new arena maps 64 MB of address space for a
+    # moment, which hides the data size's peak in the address space's (peak_data). The price:
+    # threads that allocate small objects at once wait for each other.
     try:
         ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
     except (OSError, AttributeError):
         pass
     try:
@@ -3587,6 +3591,35 @@ def note(where, what):
         where["data"] = max(where["data"], _status("VmData"))
 
 
+def watch_data(where):  # what peak_data starts from: the data size now, and the address space
+    where["vm"] = _vm()
+    where["data"] = where["data0"] = where["vm"]["VmData"]
+
+
+def _vm():  # {VmPeak, VmSize, VmData}: bytes, from /proc/self/status
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if k in ("VmPeak", "VmSize", "VmData")}
+
+
+def peak_data(where):
+    """The most data (VmData, what RLIMIT_DATA counts) this rank had since the limit was set.
+    Linux keeps no peak of it, but keeps one of the whole address space (VmPeak): data plus
+    what is not (code, mapped files, the space malloc's arenas reserve). Training maps and
+    unmaps data only (limit_memory lets malloc make no new arena), so where what is not
+    data is the same at the end as when the limit was set, the peak of the address space less
+    it is the peak of the data. Sampling alone (note(), at each block's forward and backward)
+    misses the peaks in between: for the demo GPT at stage 3 under 200MB, by 6 MB, two of its
+    blocks; this one put a run that fitted at 199.4 MB, and the next block out of memory. Where
+    it cannot be used (the address space did not grow past its peak from before the limit, or
+    what is not data changed), what was sampled."""
+    vm, before = _vm(), where["vm"]
+    if vm["VmPeak"] > before["VmPeak"] and \
+            vm["VmSize"] - vm["VmData"] == before["VmSize"] - before["VmData"]:
+        return max(where["data"], vm["VmPeak"] - (vm["VmSize"] - vm["VmData"]))
+    return where["data"]
+
+
 def oom_line(args, rank, world, psi, where):
     G = args.shard_size or world
     pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
@@ -3621,7 +3654,8 @@ def largest_model(args):
                 tried[layers] = res = _trial(args, stage, layers)
                 count[0] += 1
                 print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
-                      ("trained" if res["ok"] else res["error"][:60]), flush=True)
+                      (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
+                       else res["error"][:60]), flush=True)
                 if res["ok"]:
                     fitted.append((layers, res["state"] + res["rest"] - formula(stage, layers)))
             return tried[layers]["ok"]
@@ -3647,13 +3681,17 @@ def largest_model(args):
 
 
 def wall_guess(fitted, before, formula, limit):
-    """Where the wall should be: the most blocks whose formula (model state alone) plus what
-    the trials that fitted held beyond it (the rest, and the transient buffers the formula does
-    not count) stays within the limit. That excess grows slowly with the blocks (activations):
-    taken from this stage's largest trial that fitted, growing as between its two largest;
-    before any at this stage, the previous stage's plus half (a later stage holds more
-    transient buffers: its first guess errs low, and the trial it makes measures this stage's);
-    before any at all, 1 block (a trial that measures)."""
+    """Where the wall should be: the number of blocks at which the formula (model state alone)
+    plus what the trials that fitted held beyond it (the rest, and the transient buffers the
+    formula does not count) comes nearest the limit, from below or from above by less than
+    half a block (a guess one block over costs no more trials than one on the wall: one that
+    does not fit, then the one below; a guess one under costs one more). That excess grows
+    slowly with the blocks (activations): taken from this stage's largest trial that fitted,
+    growing as between its two largest; before any at this stage, the previous stage's plus
+    half (a later stage holds more transient buffers: at N = 4, the README's run measured 1.45
+    to 1.5 times the previous stage's excess, and the trial this guess makes measures this
+    stage's own). Before any trial at all: the most blocks whose formula is half the limit,
+    which leaves half of it for the excess, and measures it."""
     if fitted:
         top = sorted(fitted)[-2:]  # (blocks, excess bytes), the two largest
         (n0, x0), (n1, x1) = top[0], top[-1]
@@ -3662,12 +3700,15 @@ def wall_guess(fitted, before, formula, limit):
     elif before:
         excess = lambda n: 1.5 * max(before)[1]  # noqa: E731
     else:
-        return 1
-    lo, hi = 0, MAX_LAYERS + 1  # formula(n) + excess(n) grows with n: bisect
+        excess, limit = (lambda n: 0), limit / 2  # noqa: E731
+    need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
+    lo, hi = 0, MAX_LAYERS + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if formula(mid) + excess(mid) <= limit else (lo, mid)
-    return lo
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+    if fitted or before:  # one more if it is over by less than half a block's model state
+        lo += hi <= MAX_LAYERS and need(hi) - limit < (formula(hi) - formula(lo)) / 2
+    return max(lo, 1)
 
 
 MAX_LAYERS = 4096  # --largest-model stops doubling here
@@ -3783,8 +3824,8 @@ def print_memory_wall(args, rows):
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
           "measured: the most model state a rank held (zero.py's own count); rest: the most a "
-          "rank\nallocated above its runtime (CPU: the data size, sampled at each block's forward "
-          "and backward),\nless that model state: activations, the backend's buffers, temporaries, "
+          "rank\nallocated above its runtime (CPU: the peak data size, from Linux's peak address "
+          "space),\nless that model state: activations, the backend's buffers, temporaries, "
           "Python's objects." + (f"\nRuntime (Python, torch, the backend), not counted in "
                                  f"--max-memory: {_si(max(runtime))}B per rank" if runtime else ""))
     if 0 in best and 3 in best:
