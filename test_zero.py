@@ -115,7 +115,9 @@ arXiv:1910.02054, as zero.py's docstring and the README give them):
   (test_pytorch_counterpart_trains_like_zero, test_fsdp_demo_compare_end_to_end, --init-from);
   --max-memory: test_max_memory_passes_what_fits_and_refuses_what_cannot; --largest-model:
   test_a_trial_out_of_memory_ends_only_that_trial, test_largest_model_finds_the_wall_of_each_stage
-  (the guess and the bracket, in few trials, with no excess over the formula and with the README's).
+  (the guess and the bracket: 9 trials with no excess over the formula and with the README's, at
+  most 3 a stage with a steeper one), test_peak_data_sees_a_peak_between_samples (what a trial
+  held at the most), test_trial_reports_that_arrive_together_are_all_read.
 
 No assertion depends on how fast anything runs. Where overlap is checked, collectives report
 "not finished" until zero.py waits for them (landed_only_when_waited), so what is seen in flight
