@@ -61,8 +61,8 @@ Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/I
 Activations are not model state, and no stage here shards them.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, itertools, json, os, shutil
-import statistics, sys, time, types, warnings, weakref
-from collections import Counter
+import signal, statistics, sys, time, types, warnings, weakref
+from collections import Counter, namedtuple
 from datetime import timedelta
 
 import torch
@@ -3371,7 +3371,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     used = peak_data(where) - where["data0"] if "data" in where else cuda_peak
     build_peak = getattr(opt, "build_peak", {})
     row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak] + \
-        [build_peak.get(k, -1) for k in kinds] + [runtime, used]
+        [build_peak.get(k, -1) for k in kinds] + [runtime, used, per_block(where)]
     ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
@@ -3382,7 +3382,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
             "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
             "build_peak": dict(zip(kinds, most[7:10])), "runtime": most[10], "used": most[11],
-            "timeline": timeline,
+            "per_block": most[12], "timeline": timeline,
             "full": opt.full_state_dict() if keep_params else None}
 
 
@@ -3510,7 +3510,8 @@ def memory_size(text):
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
     if not 0 < size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive" if not size > 0 else
+                                          f"{text!r} is too large (at most 4EiB)")
     return int(size)
 
 
@@ -3573,9 +3574,13 @@ def track_where(model, where):
     """Keep where["what"] saying what this rank is doing, for the line that names where memory
     ran out: the forward or the backward of which block (hooks on the demo GPT's blocks). Under
     --max-memory on CPU also where["data"], the largest data size seen at those moments (what
-    RLIMIT_DATA limits; Linux keeps no peak of it, so it is sampled)."""
+    RLIMIT_DATA limits; peak_data has the real peak), and where["forward"], the data size as
+    each block's forward starts in the last forward: from one block to the next it grows by
+    what a block keeps for backward (per_block)."""
     def forward(name, module, args):
         note(where, f"the forward of {name}")
+        if "data" in where and torch.is_grad_enabled():
+            where["forward"] = ([] if name == "blocks.0" else where["forward"]) + [where["now"]]
 
     def backward_next(name, module, args, output):
         if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
@@ -3588,7 +3593,16 @@ def track_where(model, where):
 def note(where, what):
     where["what"] = what
     if "data" in where:
-        where["data"] = max(where["data"], _status("VmData"))
+        where["now"] = _status("VmData")
+        where["data"] = max(where["data"], where["now"])
+
+
+def per_block(where):
+    """Bytes one more block adds to what a rank holds beyond its model state: what the data size
+    grew by from one block's forward to the next in the last forward (activations kept for
+    backward, at stage 3 with one unit gathered at each sample), on average. 0 where unknown."""
+    f = where.get("forward", [])
+    return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
 
 
 def watch_data(where):  # what peak_data starts from: the data size now, and the address space
@@ -3640,12 +3654,22 @@ def largest_model(args):
     wall_guess() says where, from what the trials that fitted measured."""
     N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
     pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
+            free = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+        if N * args.max_memory > free:
+            raise UsageError(f"--largest-model: {N} ranks x --max-memory "
+                             f"{_si(args.max_memory)}B is more than this machine's available "
+                             f"memory ({_si(free)}B): the kernel would stop the trials, not the "
+                             "limit")
     with torch.device("meta"):  # Ψ grows by one block's parameters per block
         one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
                                                args.n_head).parameters()) for n in (1, 2))
     formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
-        stage, one + (layers - 1) * (two - one), N, pb, gb, ob, args.shard_size).values())
-    before = []  # the previous stage's (layers, what it held beyond the formula) that fitted
+        stage, one + (layers - 1) * (two - one), N, pb, gb, ob,
+        args.shard_size if stage else None).values())
+    walls = []  # each stage's largest trial that fitted: a Fit
     for stage in range(4):
         tried, fitted = {}, []
 
@@ -3655,13 +3679,15 @@ def largest_model(args):
                 count[0] += 1
                 print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
                       (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
-                       else res["error"][:60]), flush=True)
+                       else res["error"].split(" (--max-memory")[0]), flush=True)
                 if res["ok"]:
-                    fitted.append((layers, res["state"] + res["rest"] - formula(stage, layers)))
+                    f = formula(stage, layers)
+                    fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
+                                      res["per_block"]))
             return tried[layers]["ok"]
         hi, up, down = None, 0, 0  # lo: the most blocks known to fit (a later stage holds less
         while hi is None or hi - lo > 1:  # than an earlier one); hi: the fewest that do not
-            guess = wall_guess(fitted, before, lambda n: formula(stage, n), args.max_memory)
+            guess = wall_guess(fitted, walls, lambda n: formula(stage, n), args.max_memory)
             if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
                 layers, up = lo + 2 ** up, up + 1
             elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
@@ -3672,33 +3698,54 @@ def largest_model(args):
             lo, hi = (layers, hi) if fits(layers) else (lo, layers)
             if lo >= MAX_LAYERS:
                 break
-        if lo and lo not in tried:  # the previous stage's wall, not tried at this stage
-            fits(lo)
+            if hi == lo + 1 and lo and lo not in tried and not fits(lo):
+                lo, hi, down = 0, lo, 0  # the previous stage's wall, tried here: it does not fit
         rows.append((stage, tried.get(lo), tried.get(hi)))
-        before = fitted or before
+        walls += [max(fitted)] if fitted else []
     print_memory_wall(args, rows)
     print(f"{count[0]} trials in {time.time() - t0:.0f} s")
+    if not walls:
+        raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
+                          f"within --max-memory {_si(args.max_memory)}B at any stage")
 
 
-def wall_guess(fitted, before, formula, limit):
+@contextlib.contextmanager
+def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# What a trial that fitted measured, beyond the formula's model state (bytes): at the most, all
+# it held (excess) and the model state alone (transient: buffers the formula does not count),
+# and what one more block adds to the rest (per_block: activations).
+Fit = namedtuple("Fit", "layers excess transient per_block")
+
+
+def wall_guess(fitted, walls, formula, limit):
     """Where the wall should be: the number of blocks at which the formula (model state alone)
-    plus what the trials that fitted held beyond it (the rest, and the transient buffers the
-    formula does not count) comes nearest the limit, from below or from above by less than
-    half a block (a guess one block over costs no more trials than one on the wall: one that
-    does not fit, then the one below; a guess one under costs one more). That excess grows
-    slowly with the blocks (activations): taken from this stage's largest trial that fitted,
-    growing as between its two largest; before any at this stage, the previous stage's plus
-    half (a later stage holds more transient buffers: at N = 4, the README's run measured 1.45
-    to 1.5 times the previous stage's excess, and the trial this guess makes measures this
-    stage's own). Before any trial at all: the most blocks whose formula is half the limit,
-    which leaves half of it for the excess, and measures it."""
-    if fitted:
-        top = sorted(fitted)[-2:]  # (blocks, excess bytes), the two largest
-        (n0, x0), (n1, x1) = top[0], top[-1]
-        slope = max(x1 - x0, 0) / (n1 - n0) if n1 > n0 else 0
-        excess = lambda n: x1 + slope * max(n - n1, 0)  # noqa: E731
-    elif before:
-        excess = lambda n: 1.5 * max(before)[1]  # noqa: E731
+    plus the excess (what a rank holds beyond it: transient buffers the formula does not count,
+    activations, the backend's buffers) comes nearest the limit, from below or from above by
+    less than half a block (a guess one block over costs no more trials than one on the wall:
+    one that does not fit, then the one below; a guess one under costs one more). The excess:
+    - measured by this stage's largest trial that fitted, plus what a block adds (the per-block
+      growth that trial measured in its forward) for each block more;
+    - before any at this stage, the previous stage's the same way, with this stage's transient
+      buffers guessed to grow from the previous stage's as they grew from the one before; from
+      stage 0, which has none, to stage 1 by half stage 0's excess (the README's run: 6.3 MB
+      against 17.6 MB; more than that where activations are most of it, and a guess under the
+      wall costs one trial more at most: it fits, and measures);
+    - before any trial at all, none, on half the limit: the model whose formula is half the
+      limit, which leaves half of it for the excess, and measures it."""
+    if fitted or walls:
+        last = max(fitted) if fitted else walls[-1]
+        grow = 0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else \
+            max(walls[-1].transient - walls[-2].transient, 0)
+        excess = lambda n: last.excess + grow + last.per_block * (n - last.layers)  # noqa: E731
     else:
         excess, limit = (lambda n: 0), limit / 2  # noqa: E731
     need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
@@ -3706,7 +3753,7 @@ def wall_guess(fitted, before, formula, limit):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-    if fitted or before:  # one more if it is over by less than half a block's model state
+    if fitted or walls:  # one more if it is over by less than half a block's model state
         lo += hi <= MAX_LAYERS and need(hi) - limit < (formula(hi) - formula(lo)) / 2
     return max(lo, 1)
 
@@ -3723,7 +3770,7 @@ def _trial(args, stage, layers):
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
             "--max-memory", str(args.max_memory), "--timeout", str(args.timeout),
             "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
-        (["--shard-size", str(args.shard_size)] if args.shard_size else []) + \
+        (["--shard-size", str(args.shard_size)] if args.shard_size and stage else []) + \
         (["--backend", args.backend] if args.backend else []) + \
         (["--device", args.device] if args.device else [])
     with torch.device("meta"):
@@ -3789,7 +3836,7 @@ def _trial_rank(rank, world, port, argv, send):
         args = check_args(training_parser("").parse_args(argv))
         res = train(args, quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
-                   "rest": res["used"] - sum(res["peak"].values())})
+                   "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
     except OutOfMemory as e:
         send.send({"ok": False, "error": str(e)})
     except BaseException as e:  # anything else: the trial's one line
@@ -3993,6 +4040,9 @@ def main(argv=None):
             raise UsageError("--largest-model needs --max-memory and --world-size")
         if "RANK" in os.environ:
             raise UsageError("--largest-model launches its own ranks: run it without torchrun")
+        if args.world_size < 2:
+            raise UsageError("--largest-model compares the stages, which differ only with 2 "
+                             "ranks or more: --world-size 2 at least")
     elif args.world_size is not None and not args.estimate:
         raise UsageError("--world-size is for --estimate and --largest-model")
     if args.params is not None and not args.estimate:
@@ -4030,7 +4080,8 @@ def main(argv=None):
               f"Ψ = {m['psi']:,}, step {m['step']} (written at stage {m['stage']} by "
               f"{m['world_size']} rank(s), fp32 master weights)")
     elif args.largest_model:
-        largest_model(args)
+        with exit_on_sigterm():  # _trial's finally kills the trial's ranks on the way out
+            largest_model(args)
     elif args.timeline_all:
         train_every_stage(args)
     else:
@@ -4081,7 +4132,8 @@ def run(main, argv=None):
         code = 4
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
         if rank0:
-            say(f"{prog}: interrupted; the checkpoints written so far are intact")
+            say(f"{prog}: interrupted" + ("; the checkpoints written so far are intact"
+                                           if "--ckpt-dir" in (argv or sys.argv) else ""))
         code = 130
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
