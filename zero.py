@@ -113,7 +113,7 @@ class Unit:
     def __init__(self, modules, params, rank, N, world):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world) * world // N  # ceil(numel / N) (hybrid sharding: above)
+        self.S = -(-numel // world) * world // N  # numel / N, rounded up (padded: see above)
         self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
@@ -168,8 +168,8 @@ def all_gather(out, shard, async_op=False, group=None):
 # ----------------------------------------------------------------------------------------------
 # Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
 # the same at every stage: backward -> _on_grad puts it into its unit's flat gradient ->
-# _reduce_unit sums the unit over ranks (_reduce) -> / N, the mean (stage 0: as it lands, _land;
-# stages 1-3: _reduce_grads) -> step() hands each optimizer tensor its slice of it ->
+# _reduce_unit sums the unit over ranks (_reduce) -> / N, the mean (stage 0: as copied in or as
+# it lands, _land; stages 1-3: _reduce_grads) -> step() hands each optimizer tensor its slice ->
 # optimizer.step() -> _gather_params (stages 1 and 2; stage 3 gathers at the next forward).
 
 class DataParallel:
@@ -297,7 +297,8 @@ class DataParallel:
         self._reduce_grads()
         # The hand-off: the optimizer steps pieces of each unit's master (optimizer_pieces), and
         # a piece's .grad is the same slice of grad_shard, the mean gradient (an fp32 copy in
-        # mixed precision). None where no rank gave its parameters one: torch skips such a tensor.
+        # mixed precision). None where no rank gave its parameters one (settle_unused cut apart
+        # the pieces that mix both), as torch skips such a tensor.
         for u in self.units:
             grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
             for piece, grad, owners in zip(u.pieces, grads, u.owners):
@@ -358,9 +359,9 @@ class ZeRO1(DataParallel):
         return across_replicas(self, work, g[unit.my_slice], unit), g[unit.my_slice]
 
     def _land(self, unit, summed):
-        # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer its own
-        # local values, which that sum counts: zero them, so a later backward adds only new
-        # ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation),
+        # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer holds
+        # values that sum already counts (local, or partly summed): zero them, so a later
+        # backward adds only new ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation),
         # and only this rank holds it there. / N once, in _reduce_grads.
         unit.grad_shard.copy_(summed)
         unit.grad[:unit.my_slice.start].zero_()
@@ -392,9 +393,10 @@ class ZeRO1(DataParallel):
 class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
-    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed. Memory
-    2Ψ + 14Ψ/N (paper); communication unchanged, but the reduce-scatters must run during
-    backward (stage 1 runs them there only to overlap, with overlap=True).
+    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (one reduction
+    in flight at a time from stage 1 on: InFlight.limit). Memory 2Ψ + 14Ψ/N (paper);
+    communication unchanged, but the reduce-scatters must run during backward (stage 1 runs
+    them there only to overlap, with overlap=True).
 
     Timing is the whole point: a "ZeRO-2" that reduce-scatters after backward has finished holds
     every full gradient at the peak and saves nothing. Trade-off: with gradient accumulation
@@ -1168,12 +1170,13 @@ def buckets(groups, bucket_bytes):
 
 # Speed 4, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
 # torch's for-loop Adam passes over each tensor about ten times (weights, gradient, m, v, two
-# temporaries): with 512 kB (fp32) pieces a piece's four arrays fit in one core's L2 cache
-# (2 MB here) and every pass after the first reads the cache, not memory. Measured here: with
-# 4 MB pieces stage 0's optimizer step took 1.1-1.8x as long, two ranks sharing the memory
-# bus. The price: more tensors, each with Adam's fixed per-tensor work (about 25 µs here, a
-# tenth of a piece's step) and its 4-byte step counter. On a GPU the optimizer's kernels
-# stream, and few large pieces mean fewer launches.
+# temporaries): with 128K-element (512 kB in fp32) pieces, a piece's weights, gradient, m and
+# v take 2 MB, one core's L2 cache here, and most passes read the caches, not memory. Measured
+# here: with 1M-element (4 MB) pieces stage 0's optimizer step took 1.1-1.8x as long as with
+# these, two ranks sharing the memory bus. The price: more tensors, each with Adam's fixed
+# per-tensor work (about 25 µs here, a tenth of a piece's step) and its 4-byte step counter.
+# On a GPU the optimizer's kernels stream, and few large pieces (4M elements) mean fewer
+# launches. (optimizer_pieces: the pieces also bound the optimizer's temporaries.)
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
@@ -1182,12 +1185,12 @@ def optimizer_pieces(zero):
     into pieces of at most PIECE elements (views, no copy). Exact all the same (element-wise
     optimizers). The cuts bound the temporaries torch's optimizers allocate per tensor (Adam's
     sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter shard would be 200 MB
-    of transient memory. So with their for-loop implementation, the default on CPU; on CUDA the
-    default is foreach, which makes each temporary for all the tensors at once: one fp32 [S]
-    while the step runs, whatever the pieces. unit.owners: the parameters each piece holds
+    of transient memory. That holds for their for-loop implementation, the default on CPU; on
+    CUDA the default is foreach, which makes each temporary for all the tensors at once: one
+    fp32 [S] while the step runs, whatever the pieces. unit.owners: the parameters each piece holds
     elements of (the unit's padding rides with its last one); step() hands a piece no gradient
     when none of them got one. A unit where some parameter of a piece got one and another did
-    not is cut again where parameters end (split_pieces), once and for good: each parameter then
+    not is cut again where parameters start (split_pieces), once and for good: each parameter then
     has pieces of its own, as torch steps each parameter or skips it. Not before: a piece per
     parameter is a tensor per parameter for the optimizer (Adam's per-tensor work, and its 4-byte
     step counter), for a model that may never leave one without a gradient."""
@@ -3600,7 +3603,9 @@ def note(where, what):
 def per_block(where):
     """Bytes one more block adds to what a rank holds beyond its model state: what the data size
     grew by from one block's forward to the next in the last forward (activations kept for
-    backward, at stage 3 with one unit gathered at each sample), on average. 0 where unknown."""
+    backward; at stage 3 each sample also holds the block's unit and the one prefetched, the
+    same from block to block), on average. 0 where unknown: not under --max-memory on CPU
+    (on CUDA the search then takes the excess as flat, from the trials that fitted)."""
     f = where.get("forward", [])
     return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
 
@@ -3624,7 +3629,7 @@ def peak_data(where):
     data is the same at the end as when the limit was set, the peak of the address space less
     it is the peak of the data. Sampling alone (note(), at each block's forward and backward)
     misses the peaks in between: for the demo GPT at stage 3 under 200MB, by 6 MB, two of its
-    blocks; this one put a run that fitted at 199.4 MB, and the next block out of memory. Where
+    blocks; peak_data put a run that fitted at 199.4 MB, and the next block out of memory. Where
     it cannot be used (the address space did not grow past its peak from before the limit, or
     what is not data changed), what was sampled."""
     vm, before = _vm(), where["vm"]
@@ -3685,8 +3690,8 @@ def largest_model(args):
                     fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
                                       res["per_block"]))
             return tried[layers]["ok"]
-        hi, up, down = None, 0, 0  # lo: the most blocks known to fit (a later stage holds less
-        while hi is None or hi - lo > 1:  # than an earlier one); hi: the fewest that do not
+        hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
+        while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
             guess = wall_guess(fitted, walls, lambda n: formula(stage, n), args.max_memory)
             if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
                 layers, up = lo + 2 ** up, up + 1
@@ -3698,8 +3703,8 @@ def largest_model(args):
             lo, hi = (layers, hi) if fits(layers) else (lo, layers)
             if lo >= MAX_LAYERS:
                 break
-            if hi == lo + 1 and lo and lo not in tried and not fits(lo):
-                lo, hi, down = 0, lo, 0  # the previous stage's wall, tried here: it does not fit
+            if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
+                lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
         rows.append((stage, tried.get(lo), tried.get(hi)))
         walls += [max(fitted)] if fitted else []
     print_memory_wall(args, rows)
@@ -3730,15 +3735,17 @@ def wall_guess(fitted, walls, formula, limit):
     """Where the wall should be: the number of blocks at which the formula (model state alone)
     plus the excess (what a rank holds beyond it: transient buffers the formula does not count,
     activations, the backend's buffers) comes nearest the limit, from below or from above by
-    less than half a block (a guess one block over costs no more trials than one on the wall:
-    one that does not fit, then the one below; a guess one under costs one more). The excess:
+    less than half a block's model state by the formula (in largest_model's bracket, a guess
+    one block over costs no more trials than one on the wall: one that does not fit, then the
+    one below; a guess one under costs one more). The excess:
     - measured by this stage's largest trial that fitted, plus what a block adds (the per-block
       growth that trial measured in its forward) for each block more;
     - before any at this stage, the previous stage's the same way, with this stage's transient
-      buffers guessed to grow from the previous stage's as they grew from the one before; from
-      stage 0, which has none, to stage 1 by half stage 0's excess (the README's run: 6.3 MB
-      against 17.6 MB; more than that where activations are most of it, and a guess under the
-      wall costs one trial more at most: it fits, and measures);
+      buffers guessed to grow from the previous stage's as they grew from the one before; with
+      one stage before it (stage 0, whose model state is the formula's), by half that stage's
+      excess (the README's run: 6.3 MB against 17.6 MB). Where activations are most of the
+      excess, half of it overestimates the growth: the guess falls under the wall, which costs
+      one trial more at most (it fits, and measures this stage's own);
     - before any trial at all, none, on half the limit: the model whose formula is half the
       limit, which leaves half of it for the excess, and measures it."""
     if fitted or walls:
