@@ -239,7 +239,7 @@ class DataParallel:
 
     def _end_of_backward(self):
         # Once autograd finishes a backward: units with a parameter unused (no gradient) are
-        # reduced here, in unit order. (Ranks that use different units pair different sizes.)
+        # reduced here, in unit order (every rank must call the same collectives in one order).
         self._end_queued = False
         for unit in self.units:
             if unit.unreduced and self._reduce_in_backward():
@@ -356,7 +356,7 @@ class ZeRO1(DataParallel):
         # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
         self.meter.sent("reduce_scatter", g, unit)
         work = reduce_scatter(g[unit.my_slice], g, async_op=True, group=self.shard_group)
-        return across_replicas(self, work, g[unit.my_slice], unit), g[unit.my_slice]
+        return across_replicas(self, work, g[unit.my_slice], unit), g[unit.my_slice]  # (hybrid)
 
     def _land(self, unit, summed):
         # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer holds
