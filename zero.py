@@ -359,10 +359,10 @@ class ZeRO1(DataParallel):
         return across_replicas(self, work, g[unit.my_slice], unit), g[unit.my_slice]  # (hybrid)
 
     def _land(self, unit, summed):
-        # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer holds
-        # values that sum already counts (local, or partly summed): zero them, so a later
-        # backward adds only new ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation),
-        # and only this rank holds it there. / N once, in _reduce_grads.
+        # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer, values
+        # that sum counts (local or partial sums): zero them, so a later backward adds only new
+        # ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation), and
+        # only this rank holds it there. / N once, in _reduce_grads.
         unit.grad_shard.copy_(summed)
         unit.grad[:unit.my_slice.start].zero_()
         unit.grad[unit.my_slice.stop:].zero_()
