@@ -1686,7 +1686,8 @@ def mistake_symptoms(name, r, world):
     if name == "no-regather":
         return wrong.startswith("RuntimeError: "), not isinstance(right, float)
     if name == "eval-on-rank-0":
-        return wrong.startswith("hang: ") and "after 1.0 s" in wrong, not isinstance(right, float)
+        # (how long the 1-second timeout took to end it is the machine's: not checked)
+        return wrong.startswith("hang: ") and re.search(r"timeout after \d+\.\d s", wrong), not isinstance(right, float)
     if name == "state-dict-at-stage-3":  # a file written, which only loading finds empty
         return wrong.startswith("torch.save wrote ") and "; torch.load: " in wrong, right != 0
     if name == "optimizer-before-wrap":  # nothing moved
