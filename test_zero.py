@@ -400,7 +400,7 @@ def run_scenarios(rank, world):
                 comm.append(dict(opt.comm))
             run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS, after_step=after_step)
             rec["comm"] = {k: v - comm[-2].get(k, 0) for k, v in comm[-1].items()}
-            rec.update(full=opt.full_state_dict(), layout=layout(opt),
+            rec.update(full=opt.full_state_dict(), layout=layout(opt), peak=dict(opt.peak),
                        dtypes={str(p.dtype) for p in model.parameters()})
             out[(stage, name)] = rec
     return out
@@ -1561,6 +1561,9 @@ def test_mixed_precision_memory_matches_the_paper(ranks, stage):
         # each reduction in flight holds an fp32 copy of its unit's gradient: one at a time, also
         # in stage 0 (whose in-place fp32 all-reduces may all be in flight at once)
         assert rec["in_flight"] <= 1
+        # and the step an fp32 copy of every gradient element stepped, beside the bf16 gradients
+        # held between steps: counted in the peak (the paper's formula has no row for it)
+        assert rec["peak"]["grads"] >= rec["mem"]["grads"] + 4 * shard(stage >= 1), rec["peak"]
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -126,6 +126,7 @@ class Unit:
         self.master = self.shard      # what the optimizer steps: the shard, or its fp32 copy
         self.grad = None              # [N*S] the full gradient, while this rank holds one
         self.grad_shard = None        # the gradient of what it steps ([S]): summed, then / N
+        self.step_grad = None         # mixed precision: its fp32 copy, during step() only
         # Bookkeeping: what backward has done so far, and stage 3's gathers.
         self.arrived = 0         # its parameters given a gradient in this backward
         self.received = set()    # ... and those given one since zero_grad() (or zeros it kept)
@@ -300,7 +301,8 @@ class DataParallel:
         # mixed precision). None where no rank gave its parameters one (settle_unused cut apart
         # the pieces that mix both), as torch skips such a tensor.
         for u in self.units:
-            grads = u.grad_shard.to(u.master.dtype).split([t.numel() for t in u.pieces])
+            u.step_grad = u.grad_shard.to(u.master.dtype)  # (the same tensor if not mixed)
+            grads = u.step_grad.split([t.numel() for t in u.pieces])
             for piece, grad, owners in zip(u.pieces, grads, u.owners):
                 piece.grad = grad if self.with_grad.issuperset(owners) else None
         self.optimizer.step()
@@ -1361,14 +1363,19 @@ def reduces_a_copy(zero, unit):  # for_reduction() copies this unit's gradient i
 def after_step(zero):
     """After optimizer.step(): in mixed precision, round the updated fp32 masters into the
     param_dtype shards the model computes with; and let go of the pieces' .grad (each one a
-    view of the gradient shard, or its fp32 copy in mixed precision, made for the step only).
-    Then what the rank holds is measured (Meter)."""
+    view of the gradient shard, or of its fp32 copy in mixed precision, unit.step_grad, made for
+    the step only). What the rank holds is measured (Meter) before that copy goes, since the
+    optimizer held it: in mixed precision the step adds 4 bytes per element stepped (4Ψ/N; at
+    stage 0, 4Ψ), a transient the paper's formula does not count; then once more after."""
+    zero.meter.event("optimizer step")
     for u in zero.units:
         if zero.mixed_precision:
             u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
         for piece in u.pieces:
             piece.grad = None
-    zero.meter.event("optimizer step")
+        u.step_grad = None
+    if zero.mixed_precision:
+        zero.meter.event("fp32 gradients dropped")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1420,7 +1427,7 @@ class Meter:
         # its parameters and gradients, with what its reduction in flight holds.
         flying = [t for w, u, mine in self.zero.in_flight.queue if u is unit
                   for t in (mine, *getattr(w, "buffers", ()))]
-        grads = [g for g in (unit.grad, unit.grad_shard) if g is not None]
+        grads = [g for g in (unit.grad, unit.grad_shard, unit.step_grad) if g is not None]
         return Counter(params=_nbytes([unit.flat, unit.shard]), grads=_nbytes(grads + flying))
 
     def optimizer_bytes(self):
@@ -3433,7 +3440,8 @@ def report(res, args):
          "full-unit\n"
          "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and "
          "the\n"
-         "   gathered units of stage 3)")
+         "   gathered units of stage 3" + ("; in mixed precision, the fp32 copy of the gradients "
+                                           "the\n   optimizer steps with)" if getattr(args, "bf16", False) else ")"))
     built = res.get("build_peak") or {}
     if ours and built.get("params", -1) >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
