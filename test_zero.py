@@ -3737,9 +3737,9 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess)
         assert need(stage, fits) <= limit < need(stage, refused) and refused == fits + 1, (stage, fits, refused)
     assert rows[2][0] > rows[1][0] > rows[0][0] and (rows[3][0] > rows[2][0]) == (excess != "stage3_heavier")
     assert re.search(r"stage 3 trains \d+\.\dx the parameters of stage 0", out)
-    # A trial to measure, then 2 a stage where the guess is right or one block over (none, and the
-    # README's excess: 9, a third of the 27 the search before this one made); more where the first
-    # guesses miss by several blocks, and where stage 3 fits less than the wall it starts from
+    # A trial to measure, then 2 a stage where the guess is right (none, and the README's excess:
+    # 9, a third of the 27 the search before this one made); more where the first guesses miss by
+    # several blocks, and where stage 3 fits less than the wall it starts from
     assert len(calls) == len(set(calls)) <= {"steep": 16, "stage3_heavier": 20}.get(excess, 9), calls
     assert re.search(rf"^{len(calls)} trials in \d+ s$", out, re.M)
 

@@ -3682,6 +3682,10 @@ def largest_model(args):
     formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
         stage, one + (layers - 1) * (two - one), N, pb, gb, ob,
         args.shard_size if stage else None).values())
+    # Mixed precision: step()'s fp32 copy of the gradients stepped (unit.step_grad), model state
+    # that grows with the model as the formula's does; the search counts it with the formula.
+    step_copy = lambda stage, layers: 4 * (one + (layers - 1) * (two - one)) / (  # noqa: E731
+        1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
     walls = []  # each stage's largest trial that fitted: a Fit
     for stage in range(4):
         tried, fitted = {}, []
@@ -3694,13 +3698,14 @@ def largest_model(args):
                       (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
                        else res["error"].split(" (--max-memory")[0]), flush=True)
                 if res["ok"]:
-                    f = formula(stage, layers)
+                    f = formula(stage, layers) + step_copy(stage, layers)
                     fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
                                       res["per_block"]))
             return tried[layers]["ok"]
         hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
         while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
-            guess = wall_guess(fitted, walls, lambda n: formula(stage, n), args.max_memory)
+            guess = wall_guess(fitted, walls, lambda n: formula(stage, n) + step_copy(stage, n),
+                               args.max_memory)
             if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
                 layers, up = lo + 2 ** up, up + 1
             elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
@@ -3740,12 +3745,9 @@ Fit = namedtuple("Fit", "layers excess transient per_block")
 
 
 def wall_guess(fitted, walls, formula, limit):
-    """Where the wall should be: the number of blocks at which the formula (model state alone)
-    plus the excess (what a rank holds beyond it: transient buffers the formula does not count,
-    activations, the backend's buffers) comes nearest the limit, from below or from above by
-    less than half a block's model state by the formula (in largest_model's bracket, a guess
-    one block over costs no more trials than one on the wall: one that does not fit, then the
-    one below; a guess one under costs one more). The excess:
+    """Where the wall should be: the most blocks whose formula (model state alone) plus the
+    excess (what a rank holds beyond it: transient buffers the formula does not count,
+    activations, the backend's buffers) stays within the limit. The excess:
     - measured by this stage's largest trial that fitted, plus what a block adds (the per-block
       growth that trial measured in its forward) for each block more;
     - before any at this stage, the previous stage's the same way, with this stage's transient
@@ -3768,8 +3770,6 @@ def wall_guess(fitted, walls, formula, limit):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-    if fitted or walls:  # one more if it is over by less than half a block's model state
-        lo += hi <= MAX_LAYERS and need(hi) - limit < (formula(hi) - formula(lo)) / 2
     return max(lo, 1)
 
 
