@@ -3753,9 +3753,9 @@ def wall_guess(fitted, walls, formula, limit):
     - before any at this stage, the previous stage's the same way, with this stage's transient
       buffers guessed to grow from the previous stage's as they grew from the one before; with
       one stage before it (stage 0, whose model state is the formula's), by half that stage's
-      excess (the README's run: 6.3 MB against 17.6 MB). Where activations are most of the
-      excess, half of it overestimates the growth: the guess falls under the wall, which costs
-      one trial more at most (it fits, and measures this stage's own);
+      excess (a run of the README's command: 6.3 MB against 17.5 MB). Where activations are
+      most of the excess, half of it overestimates the growth: the guess falls under the wall,
+      which costs one trial more at most (it fits, and measures this stage's own);
     - before any trial at all, none, on half the limit: the model whose formula is half the
       limit, which leaves half of it for the excess, and measures it."""
     if fitted or walls:
