@@ -3441,7 +3441,8 @@ def report(res, args):
          "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and "
          "the\n"
          "   gathered units of stage 3" + ("; in mixed precision, the fp32 copy of the gradients "
-                                           "the\n   optimizer steps with)" if getattr(args, "bf16", False) else ")"))
+                                           "the\n   optimizer steps with)"
+                                           if getattr(args, "bf16", False) else ")"))
     built = res.get("build_peak") or {}
     if ours and built.get("params", -1) >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
