@@ -443,7 +443,7 @@ def print_comparison(theirs, ours, args):
 # ----------------------------------------------------------------------------------------------
 # --bench: every stage against its PyTorch counterpart, timed
 
-BENCH_MODELS = [("default", {}),  # and 4 blocks of width 1024: 50.6M parameters
+BENCH_MODELS = [("default", {}),  # and 4 blocks of width 1024: 50.7M parameters
                 ("50M", dict(d_model=1024, n_layer=4, n_head=16, seq_len=32, batch_size=2))]
 
 
