@@ -3527,9 +3527,11 @@ def memory_size(text):
     return int(size)
 
 
-def _status(field):  # bytes, from this process's /proc/self/status (Linux)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+def _status(field, *more):  # bytes, from this process's /proc/self/status (Linux); with more
+    with open("/proc/self/status") as f:  # fields than one, {field: bytes} read at one moment
+        got = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+               if k in (field, *more)}
+    return got if more else got[field]
 
 
 def limit_memory(size, device):
@@ -3592,7 +3594,9 @@ def track_where(model, where):
     def forward(name, module, args):
         note(where, f"the forward of {name}")
         if "data" in where and torch.is_grad_enabled():
-            where["forward"] = ([] if name == "blocks.0" else where["forward"]) + [where["now"]]
+            if name == "blocks.0":  # a new forward
+                where["forward"] = []
+            where["forward"].append(where["now"])
 
     def backward_next(name, module, args, output):
         if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
@@ -3620,14 +3624,8 @@ def per_block(where):
 
 
 def watch_data(where):  # what peak_data starts from: the data size now, and the address space
-    where["vm"] = _vm()
+    where["vm"] = _status("VmPeak", "VmSize", "VmData")
     where["data"] = where["data0"] = where["vm"]["VmData"]
-
-
-def _vm():  # {VmPeak, VmSize, VmData}: bytes, from /proc/self/status
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                if k in ("VmPeak", "VmSize", "VmData")}
 
 
 def peak_data(where):
@@ -3641,7 +3639,7 @@ def peak_data(where):
     blocks; peak_data put a run that fitted at 199.4 MB, and the next block out of memory. Where
     it cannot be used (the address space did not grow past its peak from before the limit, or
     what is not data changed), what was sampled."""
-    vm, before = _vm(), where["vm"]
+    vm, before = _status("VmPeak", "VmSize", "VmData"), where["vm"]
     if vm["VmPeak"] > before["VmPeak"] and \
             vm["VmSize"] - vm["VmData"] == before["VmSize"] - before["VmData"]:
         return max(where["data"], vm["VmPeak"] - (vm["VmSize"] - vm["VmData"]))
@@ -3680,12 +3678,12 @@ def largest_model(args):
     with torch.device("meta"):  # Ψ grows by one block's parameters per block
         one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
                                                args.n_head).parameters()) for n in (1, 2))
+    psi = lambda layers: one + (layers - 1) * (two - one)  # noqa: E731
     formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
-        stage, one + (layers - 1) * (two - one), N, pb, gb, ob,
-        args.shard_size if stage else None).values())
+        stage, psi(layers), N, pb, gb, ob, args.shard_size if stage else None).values())
     # Mixed precision: step()'s fp32 copy of the gradients stepped (unit.step_grad), model state
     # that grows with the model as the formula's does; the search counts it with the formula.
-    step_copy = lambda stage, layers: 4 * (one + (layers - 1) * (two - one)) / (  # noqa: E731
+    step_copy = lambda stage, layers: 4 * psi(layers) / (  # noqa: E731
         1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
     walls = []  # each stage's largest trial that fitted: a Fit
     for stage in range(4):
