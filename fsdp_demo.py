@@ -58,7 +58,7 @@ quantized communication (ZeRO++); ZeRO-R's activation partitioning (activations 
 state; activation checkpointing itself works at every stage); DTensor state dicts and
 torch.distributed.checkpoint (zero.py's checkpoints do the same job in small: a file per rank
 plus a manifest, resharded when loaded; each side continues the other's, Torch.load_checkpoint
-below and zero.load_dcp); torch.compile integration. Each is an optimization on
+below and checkpoints.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
 import argparse
@@ -83,6 +83,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import checkpoints
 import zero
 
 
@@ -310,37 +311,37 @@ class Torch:
     # DTensor shards in, each rank's DTensor shards out, keyed by the model's names.
 
     def save_checkpoint(self, root, step, extra=None):
-        """zero.save_checkpoint's counterpart: DCP, as torchtitan writes it (zero.save_dcp)."""
+        """checkpoints.save_checkpoint's counterpart: DCP, as torchtitan writes it (checkpoints.save_dcp)."""
         state = {"model": get_model_state_dict(self.model),
                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        zero.save_dcp(state, root, step, {**self.written, "optimizer": "AdamW", "hyper": hyper,
+        checkpoints.save_dcp(state, root, step, {**self.written, "optimizer": "AdamW", "hyper": hyper,
                                           "extra": extra or {}}, self.device)
 
     def load_checkpoint(self, path):
-        """zero.load_checkpoint's counterpart: FSDP2 continues a DCP checkpoint, or zero.py's
+        """checkpoints.load_checkpoint's counterpart: FSDP2 continues a DCP checkpoint, or zero.py's
         own, of any stage and world size. Returns its step, stage, N and extra."""
         error = ""
         try:
-            if zero.is_dcp(path):
-                info, tensors = zero.read_dcp(path)
-                zero.check_dcp(self.model, self.optimizer, info, tensors, path)
+            if checkpoints.is_dcp(path):
+                info, tensors = checkpoints.read_dcp(path)
+                checkpoints.check_dcp(self.model, self.optimizer, info, tensors, path)
             else:
-                info, parts = zero.read_checkpoint(path, verify=range(dist.get_rank(), 1 << 30,
+                info, parts = checkpoints.read_checkpoint(path, verify=range(dist.get_rank(), 1 << 30,
                                                                       self.world))
                 here = {k: list(t.shape) for k, t in self.model.state_dict().items()}
                 shapes = {n: s for unit in info["units"] for n, s in unit}
-                zero.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
+                checkpoints.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
                                           for k, n in info["keys"]})
                 if info["optimizer"] != "AdamW":
-                    raise zero.CheckpointError(f"checkpoint was written with optimizer "
+                    raise checkpoints.CheckpointError(f"checkpoint was written with optimizer "
                                                f"{info['optimizer']}, this run has AdamW")
-        except zero.CheckpointError as e:
+        except checkpoints.CheckpointError as e:
             error = str(e)
-        error = zero._first_error(error[:500], self.device)  # every rank, before any change
+        error = checkpoints._first_error(error[:500], self.device)  # every rank, before any change
         if error:
-            raise zero.CheckpointError(error)
-        if zero.is_dcp(path):  # torch's own way: the state_dict as a template, filled in place
+            raise checkpoints.CheckpointError(error)
+        if checkpoints.is_dcp(path):  # torch's own way: the state_dict as a template, filled in place
             state = {"model": get_model_state_dict(self.model),
                      "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp.load(state, checkpoint_id=path)
@@ -352,7 +353,7 @@ class Torch:
 
     def _load_zero(self, manifest, parts):
         """zero.py's checkpoint into FSDP2: each parameter, and each of its Adam states, whole
-        from the memory-mapped parts (zero.checkpoint_tensors), one at a time, then cut into
+        from the memory-mapped parts (checkpoints.checkpoint_tensors), one at a time, then cut into
         this rank's DTensor shard by distribute_tensor (src_data_rank=None: every rank holds the
         same tensor, so nothing is sent); then torch's set_*_state_dict, sharded."""
         params = dict(self.model.named_parameters())
@@ -361,12 +362,12 @@ class Torch:
             p = params[name]
             return distribute_tensor(full.to(self.device), p.device_mesh, p.placements,
                                      src_data_rank=None)
-        weights = {n: shard(n, t) for n, t in zero.checkpoint_tensors(manifest, parts)}
+        weights = {n: shard(n, t) for n, t in checkpoints.checkpoint_tensors(manifest, parts)}
         state = {n: {} for n in weights}
-        for key in zero.checkpoint_state_keys(parts):  # Adam's exp_avg, exp_avg_sq
-            for n, t in zero.checkpoint_tensors(manifest, parts, key):
+        for key in checkpoints.checkpoint_state_keys(parts):  # Adam's exp_avg, exp_avg_sq
+            for n, t in checkpoints.checkpoint_tensors(manifest, parts, key):
                 state[n][key] = shard(n, t)
-        scalars = zero.checkpoint_scalars(manifest, parts)  # Adam's step count, per parameter
+        scalars = checkpoints.checkpoint_scalars(manifest, parts)  # Adam's step count, per parameter
         state = {n: {**st, **scalars[n]} for n, st in state.items() if n in scalars}
         frozen = parts[0]["replicated"]  # frozen parameters and buffers: rank 0's part holds them
         set_model_state_dict(self.model, {k: weights[n] if n in weights else frozen[n]

@@ -593,7 +593,7 @@ def optimizer_before_wrap(quick):
          "zero.guard_sharded_parameters; opt.full_state_dict()",
          "Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.\n"
          "torch.save writes the file all the same, and only loading it fails. zero.py refuses the\n"
-         "read; opt.full_state_dict() gathers the shards, zero.save_checkpoint saves them.")
+         "read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them.")
 def state_dict_at_stage_3(quick):
     out = {}
     for name in ("guard", "wrong", "right"):

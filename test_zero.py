@@ -158,7 +158,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+import memory
 import mistakes
+import checkpoints
 import zero
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -320,7 +322,7 @@ def run_scenarios(rank, world):
         root = os.path.join(os.environ["ZERO_TEST_TMP"], f"resume-N{world}-{stage}")
         model, opt = wrapped(rank, stage, "adamw", seed=100)
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, 1)
-        zero.save_checkpoint(opt, root, 1)
+        checkpoints.save_checkpoint(opt, root, 1)
         # torch's convention on the same ranks: opt.load_state_dict(opt.state_dict()) undoes a step
         own = opt.state_dict()
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, 1, start=1)
@@ -332,10 +334,10 @@ def run_scenarios(rank, world):
             opt.load_state_dict(dict(own, rank=(rank + 1) % world) if world > 1 else
                                 dict(own, layout=dict(own["layout"], stage=stage - 1)))
             refused = None
-        except zero.CheckpointError as e:
+        except checkpoints.CheckpointError as e:
             refused = str(e)
         model, opt = wrapped(rank, stage, "adamw", seed=500)
-        zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+        checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS - 1, start=1)
         out[(stage, "resume")] = {"straight": out[(stage, "adamw")]["full"],
                                   "resumed": opt.full_state_dict(), "own": own_resumed,
@@ -1073,14 +1075,14 @@ def tasks(rank, world):
     model = Tasks()
     opt = zero.wrap(model, 3, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux])
     tasks_steps(model, opt, rows, world, range(1))
-    zero.save_checkpoint(opt, root, 1)
+    checkpoints.save_checkpoint(opt, root, 1)
     for stage, steps in [(1, range(1, 3)), (0, range(3, 4))]:
         model = Tasks(seed=500 + rank)  # other weights, on each rank
         opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux])
-        zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+        checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
         tasks_steps(model, opt, rows, world, steps)
         if stage == 1:
-            zero.save_checkpoint(opt, root, 3)
+            checkpoints.save_checkpoint(opt, root, 3)
     out["resumed"] = opt.full_state_dict()
     return out
 
@@ -1466,10 +1468,10 @@ def three_ranks(rank, world):
             model = TwoDtypes()
             opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), bucket_bytes=1 << 20)
             if steps.start == 1:
-                zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+                checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
             two_dtypes_steps(model, opt, rows, world, steps)
             if steps.stop == 1:
-                zero.save_checkpoint(opt, root, 1)
+                checkpoints.save_checkpoint(opt, root, 1)
             runs.append(opt.full_state_dict())
         out[(stage, "two dtypes resumed")] = (runs[0], runs[2])
     for stage in range(4):
@@ -2047,7 +2049,7 @@ def moving_write(rank, world):
             # zero.py's stage 3 in groups of 2. (Here, in the run of the `hybrid` scenario: a 2-D
             # mesh made again after a new process group, in world4_again, found a group of the
             # old one by name, in torch 2.13.)
-            path = zero.latest_checkpoint(os.path.join(tmp, "zero4"))
+            path = checkpoints.latest_checkpoint(os.path.join(tmp, "zero4"))
             theirs, ours = fsdp_demo.compare(move_args(world, 3, 3, resume_from=path, shard_size=2))
             return {"first": theirs["first"], "theirs": theirs["losses"], "ours": ours["losses"]}
 
@@ -2060,7 +2062,7 @@ def moving(rank, world):
     tmp, other, out = os.environ["ZERO_TEST_TMP"], 6 - world, {}
     stage = 2 if world == 2 else 3
     for source in ("zero", "fsdp"):
-        path = zero.latest_checkpoint(os.path.join(tmp, f"{source}{other}"))
+        path = checkpoints.latest_checkpoint(os.path.join(tmp, f"{source}{other}"))
         args = move_args(world, stage, 3, resume_from=path)
         with contextlib.redirect_stdout(io.StringIO()):
             theirs, ours = fsdp_demo.compare(args)
@@ -2070,7 +2072,7 @@ def moving(rank, world):
     with torch.device("meta"):
         model = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
     optimizer = fsdp_demo.parallelize(model, args, DEVICE)[1]
-    fsdp_demo.Torch(model, optimizer, world).load_checkpoint(zero.latest_checkpoint(os.path.join(tmp, f"zero{other}")))
+    fsdp_demo.Torch(model, optimizer, world).load_checkpoint(checkpoints.latest_checkpoint(os.path.join(tmp, f"zero{other}")))
     full = StateDictOptions(full_state_dict=True)
     state = get_optimizer_state_dict(model, optimizer, options=full)["state"]
     out["fsdp_loaded"] = {**{("master", n): t for n, t in get_model_state_dict(model, options=full).items()},
@@ -2079,9 +2081,9 @@ def moving(rank, world):
     with torch.device("meta"):
         model = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
     opt = zero.zero_build(move_args(world, 1, 1))(model, DEVICE)[1]
-    found = zero.latest_checkpoint(os.path.join(tmp, f"fsdp{other}"))
-    zero.load_checkpoint(opt, found)
-    zero.save_checkpoint(opt, os.path.join(tmp, f"resaved{world}"), 1)
+    found = checkpoints.latest_checkpoint(os.path.join(tmp, f"fsdp{other}"))
+    checkpoints.load_checkpoint(opt, found)
+    checkpoints.save_checkpoint(opt, os.path.join(tmp, f"resaved{world}"), 1)
     return out
 
 
@@ -2112,10 +2114,10 @@ def test_moving_refuses_bad_input_in_one_line(world4, shared, one_rank, tmp_path
     # --resume-from, on either side: one line (zero.run: exit code 2), nothing trained, nothing
     # written in --ckpt-dir, the source as it was
     import fsdp_demo
-    dcp_dir, zero_dir = (zero.latest_checkpoint(os.path.join(shared, name)) for name in ("fsdp4", "zero4"))
+    dcp_dir, zero_dir = (checkpoints.latest_checkpoint(os.path.join(shared, name)) for name in ("fsdp4", "zero4"))
     for bad in ("torn", "truncated"):
         shutil.copytree(dcp_dir, tmp_path / bad)
-    os.remove(tmp_path / "torn" / zero.DCP_MARKER)
+    os.remove(tmp_path / "torn" / checkpoints.DCP_MARKER)
     os.truncate(tmp_path / "truncated" / "__1_0.distcp", 100)
     (tmp_path / "neither").mkdir()
     (tmp_path / "neither" / "notes.txt").write_text("not a checkpoint")
@@ -2151,14 +2153,14 @@ def test_moving_keeps_every_weight_and_adam_value(moved, shared, world):
     # Element by element, right after the conversion: FSDP2's weights, m, v and step count are
     # those of zero.py's checkpoint; zero.py's, saved again at once, those of FSDP2's DCP.
     other = 6 - world
-    want = full_checkpoint(zero.latest_checkpoint(os.path.join(shared, f"zero{other}")))
+    want = full_checkpoint(checkpoints.latest_checkpoint(os.path.join(shared, f"zero{other}")))
     got = moved[world]["fsdp_loaded"]
     assert {k for k in want if k != "scalars"} | {("step", n) for n in want["scalars"]} == set(got) - {("master", "head.weight")}
     for key in want:
         if key != "scalars":
             assert torch.equal(got[key], want[key]), key
     assert all(float(got["step", n]) == float(s["step"]) == 1.0 for n, s in want["scalars"].items())
-    want = dcp_full(zero.latest_checkpoint(os.path.join(shared, f"fsdp{other}")))
+    want = dcp_full(checkpoints.latest_checkpoint(os.path.join(shared, f"fsdp{other}")))
     got = full_checkpoint(os.path.join(shared, f"resaved{world}", "step_00000001"))
     assert {k for k in want if k[0] != "step"} == {k for k in got if k != "scalars"}
     for key in got:
@@ -2183,14 +2185,14 @@ def reshard_write(rank, world):
     zero.PIECE = {"cpu": 7, "cuda": 7}
     model, opt = wrapped(rank, 3, "adamw", seed=100)
     train_rows(model, opt, rank, world, 2, 0)
-    zero.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2, extra={"note": "from N=4"})
+    checkpoints.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2, extra={"note": "from N=4"})
     train_rows(model, opt, rank, world, 2, 2)
     return opt.full_state_dict()
 
 
 def _load_fresh(rank, stage, path, **kwargs):
     model, opt = wrapped(rank, stage, "adamw", seed=500 + rank, **kwargs)  # other weights on each rank
-    manifest = zero.load_checkpoint(opt, path)
+    manifest = checkpoints.load_checkpoint(opt, path)
     return model, opt, manifest
 
 
@@ -2202,30 +2204,30 @@ def reshard_read(rank, world):
     source = os.path.join(tmp, "a" if world == 2 else "b1", "step_00000002")
     for stage in range(4):
         model, opt, manifest = _load_fresh(rank, stage, source)
-        zero.save_checkpoint(opt, os.path.join(tmp, f"{'b' if world == 2 else 'c'}{stage}"), 2)
+        checkpoints.save_checkpoint(opt, os.path.join(tmp, f"{'b' if world == 2 else 'c'}{stage}"), 2)
         train_rows(model, opt, rank, world, 2, 2)
         out[stage] = {"full": opt.full_state_dict(), "extra": manifest["extra"]}
     if world == 2:
         # bf16 compute, fp32 masters: loading and saving again keeps every fp32 value
         model, opt, _ = _load_fresh(rank, 2, source, param_dtype=torch.bfloat16)
-        zero.save_checkpoint(opt, os.path.join(tmp, "bf16"), 2)
+        checkpoints.save_checkpoint(opt, os.path.join(tmp, "bf16"), 2)
         # an optimizer without state (plain SGD): a round trip at stage 3 is exact
         plain = functools.partial(torch.optim.SGD, lr=0.1)
         model = Net(seed=100)
         opt = zero.wrap(model, 3, plain)
         train_rows(model, opt, rank, world, 1, 0)
-        zero.save_checkpoint(opt, os.path.join(tmp, "sgd"), 1)
+        checkpoints.save_checkpoint(opt, os.path.join(tmp, "sgd"), 1)
         fresh = zero.wrap(Net(seed=7), 3, plain)
-        zero.load_checkpoint(fresh, zero.latest_checkpoint(os.path.join(tmp, "sgd")))
+        checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(os.path.join(tmp, "sgd")))
         out["sgd"] = (opt.full_state_dict(), fresh.full_state_dict())
         out["refused"] = {}
         for bad in ["corrupt", "truncated", "missing", "incomplete"]:
             model, opt = wrapped(rank, 2, "adamw", seed=100)
             before = opt.full_state_dict()
             try:
-                zero.load_checkpoint(opt, os.path.join(tmp, bad, "step_00000002"))
+                checkpoints.load_checkpoint(opt, os.path.join(tmp, bad, "step_00000002"))
                 out["refused"][bad] = None
-            except zero.CheckpointError as e:
+            except checkpoints.CheckpointError as e:
                 out["refused"][bad] = str(e)
             after = opt.full_state_dict()
             out.setdefault("unchanged", []).append(all(torch.equal(before[n], after[n]) for n in before))
@@ -2233,9 +2235,9 @@ def reshard_read(rank, world):
                   "another optimizer": lambda: wrapped(rank, 2, "sgd", seed=100)[1]}
         for what, build in others.items():
             try:
-                zero.load_checkpoint(build(), source)
+                checkpoints.load_checkpoint(build(), source)
                 out["refused"][what] = None
-            except zero.CheckpointError as e:
+            except checkpoints.CheckpointError as e:
                 out["refused"][what] = str(e)
     return out
 
@@ -2379,7 +2381,8 @@ def straight(rank, world):
 
 
 KILLER = """
-save = zero.save_checkpoint
+import checkpoints
+save = checkpoints.save_checkpoint
 
 
 def save_then_die(opt, root, step, **kwargs):
@@ -2388,7 +2391,7 @@ def save_then_die(opt, root, step, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-zero.save_checkpoint = save_then_die
+checkpoints.save_checkpoint = save_then_die
 zero.run(zero.main)
 """
 
@@ -2410,7 +2413,7 @@ def test_a_killed_rank_restarts_and_resumes_exactly(world2, shared, tmp_path):
     # steps 1-4 before the kill, 5-12 after the restart: none trained twice, none skipped
     assert re.findall(r"^step +(\d+) \|", out.stdout, re.M) == [str(s) for s in range(1, KILLED_STEPS + 1)]
     assert losses(out.stdout)[-1] == losses(world2[0]["straight"])[-1]
-    a, b = (full_checkpoint(zero.latest_checkpoint(path)) for path in (ckpt, os.path.join(shared, "straight")))
+    a, b = (full_checkpoint(checkpoints.latest_checkpoint(path)) for path in (ckpt, os.path.join(shared, "straight")))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a if k != "scalars")
     assert a["scalars"] == b["scalars"] and {k[0] for k in a if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
     assert sorted(os.listdir(ckpt)) == ["step_00000008", "step_00000012"]  # the newest two are kept
@@ -2768,7 +2771,7 @@ def test_timeline_svg_has_one_band_per_kind_and_stage(timelines):
         ns = "{http://www.w3.org/2000/svg}"
         bands = [(int(p.get("data-stage")), p.get("class").split()[1])
                  for p in root.iter(ns + "path") if p.get("class", "").startswith("band ")]
-        assert sorted(bands) == [(s, k) for s in stages for k in sorted(zero.STACK)]
+        assert sorted(bands) == [(s, k) for s in stages for k in sorted(memory.STACK)]
         assert len([c for c in root.iter(ns + "circle") if c.get("class") == "peak"]) == len(stages)
         formula = [x for x in root.iter(ns + "line") if "formula" in x.get("class", "")]
         assert len(formula) == 3 * len(stages)
@@ -2842,12 +2845,12 @@ def hybrid(rank, world):
     out["straight"] = opt.full_state_dict()
     model, opt = wrapped(rank, 3, case, seed=100, shard_size=G)
     run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
-    zero.save_checkpoint(opt, root, 2)
+    checkpoints.save_checkpoint(opt, root, 2)
     out["saved"] = opt.full_state_dict()
-    out["files"] = sorted(os.listdir(zero.latest_checkpoint(root)))
+    out["files"] = sorted(os.listdir(checkpoints.latest_checkpoint(root)))
     for name, stage, shard_size in [("G4", 1, None), ("G1", 2, 1)]:
         model, opt = wrapped(rank, stage, case, seed=500, shard_size=shard_size)
-        zero.load_checkpoint(opt, zero.latest_checkpoint(root))
+        checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
         out[name + " loaded"] = opt.full_state_dict()
         run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
         out[name] = opt.full_state_dict()
@@ -2972,27 +2975,27 @@ def abused_ranks(rank, world):
     model, opt = wrapped(rank, 2, "adamw", seed=100)
     train_rows(model, opt, rank, world, 1, 0)
     for step in (2, 4):
-        zero.save_checkpoint(opt, root, step)
+        checkpoints.save_checkpoint(opt, root, step)
     # Rank 0 chooses: here its listing does not show step 4 yet (it completed in between), rank
     # 1's does. Both must resume from step 2.
-    real_steps, real_save = zero._steps, torch.save
+    real_steps, real_save = checkpoints._steps, torch.save
     if rank == 0:
-        zero._steps = lambda r: {s: p for s, p in real_steps(r).items() if s < 4}
-    out["chosen"] = zero.choose_checkpoint(root, torch.device("cpu"))
-    zero._steps = real_steps
+        checkpoints._steps = lambda r: {s: p for s, p in real_steps(r).items() if s < 4}
+    out["chosen"] = checkpoints.choose_checkpoint(root, torch.device("cpu"))
+    checkpoints._steps = real_steps
     # The disk fills up while rank 1 writes step 6: every rank raises the same one line, and
     # nothing of step 6 is left.
     if rank == 1:
         torch.save = full_disk
     try:
-        zero.save_checkpoint(opt, root, 6)
-    except zero.CheckpointError as e:
+        checkpoints.save_checkpoint(opt, root, 6)
+    except checkpoints.CheckpointError as e:
         out["full"] = str(e)
     torch.save = real_save
     dist.barrier()
     out["after"] = sorted(os.listdir(root))
-    chosen = zero.choose_checkpoint(root, torch.device("cpu"))
-    out["loaded"] = zero.load_checkpoint(opt, chosen)["step"]
+    chosen = checkpoints.choose_checkpoint(root, torch.device("cpu"))
+    out["loaded"] = checkpoints.load_checkpoint(opt, chosen)["step"]
     return out
 
 
@@ -3055,14 +3058,14 @@ def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys)
         assert "\n" not in message
         assert f"Last good checkpoint: {ckpt / 'step_00000001'} " in message
         assert sorted(os.listdir(ckpt)) == ["step_00000001"]
-        parts = zero.read_checkpoint(ckpt / "step_00000001")[1]
+        parts = checkpoints.read_checkpoint(ckpt / "step_00000001")[1]
         assert all(torch.isfinite(u["master"]).all() for part in parts for u in part["units"])
     # --skip-nonfinite: those steps are skipped, the weights and optimizer state stay step 1's
     ckpt = tmp_path / "skip"
     zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--ckpt-dir", str(ckpt), "--ckpt-every", "1",
                "--skip-nonfinite"])
     assert "5 step(s) of 6 skipped" in capsys.readouterr().out
-    five, six = (zero.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
+    five, six = (checkpoints.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
     assert all(torch.equal(a["master"], b["master"]) for a, b in zip(five["units"], six["units"]))
     assert [s["step"] for s in five["param_scalars"].values()] == [s["step"] for s in six["param_scalars"].values()] \
         == [1] * len(five["param_scalars"])  # one step applied in all
@@ -3075,7 +3078,7 @@ def test_resume_applies_the_command_lines_lr(one_rank, tmp_path, capsys):
     zero.main([*TINY, "--lr", "1e-3", "--ckpt-dir", str(ckpt)])
     out = capsys.readouterr().out
     assert "hyper-parameters loaded, then --lr 0.001 applied (it had 0.003)" in out
-    assert zero.read_checkpoint(ckpt / "step_00000003")[1][0]["hyper"][0]["lr"] == 1e-3
+    assert checkpoints.read_checkpoint(ckpt / "step_00000003")[1][0]["hyper"][0]["lr"] == 1e-3
 
 
 @in_process
@@ -3083,7 +3086,7 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     root = tmp_path / "ckpt"
     model, opt = wrapped(0, 1, "adamw", seed=100)
     for step in (4, 8):
-        zero.save_checkpoint(opt, str(root), step)
+        checkpoints.save_checkpoint(opt, str(root), step)
     shutil.copytree(root / "step_00000004", root / "step_00000009.bak")
     for name in ["step_", "step_9", "step_000000009"]:
         (root / name).mkdir()
@@ -3094,14 +3097,14 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     torn = root / "step_00000006.partial"  # a DCP save (fsdp_demo.py) killed midway
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"\0" * 100)
-    assert zero.latest_checkpoint(str(root)) == str(root / "step_00000008")
+    assert checkpoints.latest_checkpoint(str(root)) == str(root / "step_00000008")
     zero.main(["--consolidate", str(root), "--out", str(tmp_path / "model.pt")])
     odd = ["step_", "step_000000009", "step_00000009.bak", "step_00000010", "step_9"]
-    zero.save_checkpoint(opt, str(root), 2)  # lower than both: kept all the same, once written
+    checkpoints.save_checkpoint(opt, str(root), 2)  # lower than both: kept all the same, once written
     kept = ["step_00000002", "step_00000004", "step_00000008"]
     assert sorted(os.listdir(root)) == sorted(kept + odd)
     assert not leftover.exists() and not torn.exists()
-    zero.save_checkpoint(opt, str(root), 12)
+    checkpoints.save_checkpoint(opt, str(root), 12)
     assert sorted(os.listdir(root)) == sorted(["step_00000008", "step_00000012", *odd])
 
 
@@ -3109,15 +3112,15 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
 def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     model, opt = wrapped(0, 1, "adamw", seed=100)
-    zero.save_checkpoint(opt, str(root), 1)
-    monkeypatch.setattr(zero, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
+    checkpoints.save_checkpoint(opt, str(root), 1)
+    monkeypatch.setattr(checkpoints, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
     full = "^step 2 not saved: rank 0: .*manifest.json: No space left"
-    with pytest.raises(zero.CheckpointError, match=full):
-        zero.save_checkpoint(opt, str(root), 2)
+    with pytest.raises(checkpoints.CheckpointError, match=full):
+        checkpoints.save_checkpoint(opt, str(root), 2)
     assert sorted(os.listdir(root)) == ["step_00000001"] and os.listdir(root / "step_00000001")
-    zero.load_checkpoint(opt, zero.latest_checkpoint(str(root)))
-    with pytest.raises(zero.CheckpointError, match="no checkpoint path was given"):
-        zero.load_checkpoint(opt, None)
+    checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(str(root)))
+    with pytest.raises(checkpoints.CheckpointError, match="no checkpoint path was given"):
+        checkpoints.load_checkpoint(opt, None)
 
 
 def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path, monkeypatch):
@@ -3126,48 +3129,48 @@ def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path,
     # overwrite leaves the first as it was.
     root = str(tmp_path / "ckpt")
     model, opt = wrapped(0, 1, "adamw", seed=100)
-    zero.save_checkpoint(opt, root, 1)
+    checkpoints.save_checkpoint(opt, root, 1)
     first = opt.full_state_dict()
     run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1)
     second = opt.full_state_dict()
-    seen, exchange = [], zero._exchange
+    seen, exchange = [], checkpoints._exchange
 
     def watched(new, old):  # the moment before the new one takes the name: the old one is whole
-        seen.append(zero.read_checkpoint(old)[1][0]["units"][0]["master"].clone())
+        seen.append(checkpoints.read_checkpoint(old)[1][0]["units"][0]["master"].clone())
         exchange(new, old)
-    monkeypatch.setattr(zero, "_exchange", watched)
-    zero.save_checkpoint(opt, root, 1)
+    monkeypatch.setattr(checkpoints, "_exchange", watched)
+    checkpoints.save_checkpoint(opt, root, 1)
     assert len(seen) == 1 and sorted(os.listdir(root)) == ["step_00000001"]
     fresh = wrapped(0, 1, "adamw", seed=500)[1]
-    zero.load_checkpoint(fresh, zero.latest_checkpoint(root))
+    checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(root))
     assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
-    assert not torch.equal(seen[0], zero.read_checkpoint(os.path.join(root, "step_00000001"))[1][0]["units"][0]["master"])
-    monkeypatch.setattr(zero, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
+    assert not torch.equal(seen[0], checkpoints.read_checkpoint(os.path.join(root, "step_00000001"))[1][0]["units"][0]["master"])
+    monkeypatch.setattr(checkpoints, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
     run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1, start=1)
-    with pytest.raises(zero.CheckpointError, match="^step 1 not saved: rank 0: .*No space left"):
-        zero.save_checkpoint(opt, root, 1)
-    zero.load_checkpoint(fresh, zero.latest_checkpoint(root))
+    with pytest.raises(checkpoints.CheckpointError, match="^step 1 not saved: rank 0: .*No space left"):
+        checkpoints.save_checkpoint(opt, root, 1)
+    checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(root))
     assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
     assert first.keys() == second.keys()
 
 
 def test_a_dcp_checkpoint_saved_again_takes_its_name_in_one_step(tmp_path, monkeypatch):
-    # fsdp_demo.py's DCP saves (zero.save_dcp) commit as save_checkpoint does: a step saved again
+    # fsdp_demo.py's DCP saves (checkpoints.save_dcp) commit as save_checkpoint does: a step saved again
     # is written whole beside the old one, which stays whole until the names are swapped.
     path, tmp = str(tmp_path / "step_00000003"), str(tmp_path / "step_00000003.partial")
     for d, what in ((path, "old"), (tmp, "new")):
         os.makedirs(d)
         open(os.path.join(d, "__0_0.distcp"), "w").write(what)
-    seen, exchange = [], zero._exchange
+    seen, exchange = [], checkpoints._exchange
 
     def watched(new, old):  # the moment before the new one takes the name: the old one is whole
         seen.append(open(os.path.join(old, "__0_0.distcp")).read())
         exchange(new, old)
-    monkeypatch.setattr(zero, "_exchange", watched)
-    zero._commit_dcp(tmp, path, {"step": 3})
+    monkeypatch.setattr(checkpoints, "_exchange", watched)
+    checkpoints._commit_dcp(tmp, path, {"step": 3})
     assert seen == ["old"] and os.listdir(tmp_path) == ["step_00000003"]
     assert open(os.path.join(path, "__0_0.distcp")).read() == "new"
-    assert json.load(open(os.path.join(path, zero.DCP_MARKER)))["step"] == 3
+    assert json.load(open(os.path.join(path, checkpoints.DCP_MARKER)))["step"] == 3
 
 
 def unblock_after(fifo, seconds=20):
@@ -3226,9 +3229,9 @@ def test_the_manifest_is_data(abused, tmp_path):
         if changed:
             (path / "manifest.json").write_text(json.dumps({**manifest, **changed}))
         out = str(tmp_path / "out.pt")
-        for read in [zero.read_checkpoint, lambda p: zero.consolidate(p, out),
+        for read in [checkpoints.read_checkpoint, lambda p: checkpoints.consolidate(p, out),
                      lambda p: zero.main(["--consolidate", str(p), "--out", out])]:
-            with pytest.raises(zero.CheckpointError) as e:
+            with pytest.raises(checkpoints.CheckpointError) as e:
                 read(path)
             assert message in str(e.value) and "\n" not in str(e.value), (what, str(e.value))
         assert not os.path.exists(tmp_path / "out.pt")
@@ -3237,7 +3240,7 @@ def test_the_manifest_is_data(abused, tmp_path):
         with pytest.raises(zero.UsageError, match="^--out"):
             zero.main(["--consolidate", source, "--out", str(out)])
         with pytest.raises(zero.UsageError, match="cannot be written"):
-            zero.consolidate(source, str(out))
+            checkpoints.consolidate(source, str(out))
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
@@ -3635,20 +3638,20 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs, tmp_path)
 
 def test_peak_data_sees_a_peak_between_samples():
     # Under --max-memory the data size is sampled at each block's forward and backward (note());
-    # a tensor made and freed between two samples is missed there, not by peak_data(), which
+    # a tensor made and freed between two samples is missed there, not by Watch.peak(), which
     # takes the peak from Linux's peak of the address space. In a process of its own: the limit
     # stays with the process.
     script = "\n".join([
-        "import torch, zero",
+        "import torch, memory",
         "torch.set_num_threads(1)",
-        "zero.limit_memory(200 * 10**6, torch.device('cpu'))",
-        "where = {}",
-        "zero.watch_data(where)",
-        "zero.note(where, 'before')",
+        "memory.limit_memory(200 * 10**6, torch.device('cpu'))",
+        "watch = memory.Watch()",
+        "watch.start()",
+        "watch.note('before')",
         "x = torch.ones(40 * 10**6 // 4)  # 40 MB, made and freed between two samples",
         "del x",
-        "zero.note(where, 'after')",
-        "print(where['data'] - where['data0'], zero.peak_data(where) - where['data0'])"])
+        "watch.note('after')",
+        "print(watch.data - watch.data0, watch.used())"])
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE, timeout=120)
     assert out.returncode == 0, out.stderr
     sampled, peak = map(int, out.stdout.split())
@@ -3661,7 +3664,7 @@ def test_a_trial_out_of_memory_ends_only_that_trial():
     # under --max-memory: test_max_memory_passes_what_fits_and_refuses_what_cannot.)
     args = zero.training_parser("").parse_args([*MODEL, "--batch-size", "2", "--max-memory", "1MB"])
     args.world_size = 2
-    refused = zero._trial(args, 3, 2)
+    refused = memory._trial(args, 3, 2)
     assert not refused["ok"] and "out of memory" in refused["error"] and refused["layers"] == 2
     with torch.device("meta"):
         assert refused["psi"] == sum(p.numel() for p in zero.GPT(16, 16, 2, 4).parameters())
@@ -3680,12 +3683,12 @@ def test_trial_reports_that_arrive_together_are_all_read():
         if all(pipes[r][0].poll() for r in (0, 2)):
             break
         time.sleep(0.01)
-    results = zero._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)
+    results = memory._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)
     assert sorted(results) == [0, 2] and all("out of memory" in res["error"] for res in results.values())
     pipes[1][1].send({"ok": True})  # a normal trial: every rank reports, then it is over
     pipes[0][1].send({"ok": True})
     pipes[2][1].send({"ok": True})
-    assert sorted(zero._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)) == [0, 1, 2]
+    assert sorted(memory._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("excess", ["none", "growing", "steep", "stage3_heavier"])
@@ -3727,7 +3730,7 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess)
                 "state": f + transient(stage), "runtime": 0, "rest": rest(stage, layers),
                 "per_block": rest(stage, layers + 1) - rest(stage, layers),
                 "error": "" if need(stage, layers) <= limit else "rank 0: out of memory in the forward"}
-    monkeypatch.setattr(zero, "_trial", trial)
+    monkeypatch.setattr(memory, "_trial", trial)
     zero.main(["--largest-model", "--max-memory", "1MB", "--world-size", "4", *MODEL])
     out = capsys.readouterr().out
     rows = {int(m[0]): (int(m[1]), int(m[2])) for m in
@@ -3761,12 +3764,12 @@ def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
             os.kill(os.getpid(), signal.SIGTERM)
         killed.append(stage)  # (what _trial's finally does with the ranks, it does on SIGTERM too)
         return {"ok": False, "psi": 1, "layers": layers, "error": "rank 0: out of memory in the forward"}
-    monkeypatch.setattr(zero, "_trial", trial)
+    monkeypatch.setattr(memory, "_trial", trial)
     with pytest.raises(SystemExit) as e:
         zero.main(["--largest-model", "--max-memory", "2MB", "--world-size", "2", *MODEL])
     assert e.value.code == 143 and set(killed) == {0}
     assert signal.getsignal(signal.SIGTERM) == before  # (the handler is --largest-model's only)
-    monkeypatch.setattr(zero, "_trial", lambda args, stage, layers: trial(args, 0, layers))
+    monkeypatch.setattr(memory, "_trial", lambda args, stage, layers: trial(args, 0, layers))
     with pytest.raises(zero.OutOfMemory, match="not even 1 block of d_model 16 trains within --max-memory 2MB"):
         zero.main(["--largest-model", "--max-memory", "2MB", "--world-size", "2", *MODEL])
     assert re.search(r"^3 +none .*\| +1 ", capsys.readouterr().out, re.M)
@@ -3835,9 +3838,9 @@ def cuda_report(rank, world):
             with contextlib.redirect_stdout(printed):
                 res = zero.train(args)
                 zero.report(res, args)
-            panel = zero.timeline_panel(res, args)
+            panel = memory.timeline_panel(res, args)
             out[(stage, bf16)] = dict(res, base=base, act=act, stdout=printed.getvalue(),
-                                      text=zero.timeline_text([panel]), svg=zero.timeline_svg([panel]))
+                                      text=memory.timeline_text([panel]), svg=memory.timeline_svg([panel]))
     return out
 
 
@@ -3920,7 +3923,7 @@ def test_cuda_memory_between_steps_is_the_model_state(cuda_reports, stage, dtype
         first = r["timeline"][0]
         assert first["event"] == "before forward"
         steppers = 4 * len(report_units())  # AdamW's step counters: CPU tensors
-        held = [(e["event"], e["cuda"] - r["base"] - (sum(e[k] for k in zero.STACK) - steppers))
+        held = [(e["event"], e["cuda"] - r["base"] - (sum(e[k] for k in memory.STACK) - steppers))
                 for e in r["timeline"]]  # bytes beyond the model state memory_breakdown() counts
         assert 0 <= held[0][1] - logits <= 64 << 10, (rank, held[0], logits)
         assert min(n for _, n in held) >= 0, (rank, held)

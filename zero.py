@@ -60,15 +60,18 @@ demo model, training loop, report and command line. The stages share one interfa
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
 Activations are not model state, and no stage here shards them.
 """
-import argparse, contextlib, dataclasses, functools, hashlib, itertools, json, os, shutil
-import signal, statistics, sys, time, types, warnings, weakref
-from collections import Counter, namedtuple
+import argparse, contextlib, dataclasses, functools, hashlib, itertools, json, os
+import statistics, sys, time, types, warnings, weakref
+from collections import Counter
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `import zero`
+    sys.modules.setdefault("zero", sys.modules[__name__])  # (checkpoints.py...) get this module
 
 # ===================================== PART I: THE ALGORITHM ==================================
 
@@ -326,13 +329,14 @@ class DataParallel:
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface, in Part II: full parameters for a moment, measurement, checkpoints.
+    # The rest of the interface: full parameters for a moment and measurement (Part II), and
+    # checkpoints (checkpoints.py, a file of its own, imported by the first call that needs it).
     def gathered(self, modules=None, writeback=False): return gathered(self, modules, writeback)
     def memory_breakdown(self): return self.meter.breakdown()
-    def state_dict(self): return checkpoint_part(self)
-    def load_state_dict(self, state): load_own_part(self, state)
-    def full_state_dict(self): return full_state_dict(self)
-    def load_full_state_dict(self, state): load_full_state_dict(self, state)
+    def state_dict(self): return _checkpoints().checkpoint_part(self)
+    def load_state_dict(self, state): _checkpoints().load_own_part(self, state)
+    def full_state_dict(self): return _checkpoints().full_state_dict(self)
+    def load_full_state_dict(self, state): _checkpoints().load_full_state_dict(self, state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1023,12 +1027,6 @@ def across_replicas(zero, work, mine, unit):
     return _Pending([work], finish)
 
 
-def part_index(rank, world, G):
-    """The part of a checkpoint rank `rank` writes: rank itself, unless G < N, where the N/G
-    ranks holding one shard each write one Nth of it (units are padded to a multiple of N)."""
-    return rank % G * (world // G) + rank // G
-
-
 # ----------------------------------------------------------------------------------------------
 # Speed 1, overlap: communicate while autograd computes (overlap=False, --no-overlap: wait for
 # each collective where it is issued, no prefetch). With async_op=True a collective runs on the
@@ -1452,8 +1450,8 @@ class Meter:
             self.zero.peak[kind] = max(self.zero.peak[kind], n)
         if what == "start":  # wrap() is done: what building held at the most, kept apart
             self.zero.build_peak, self.zero.peak = self.zero.peak, Counter(self.now)
-        if self.timeline is not None:
-            self.timeline.append(timeline_entry(self.zero, what, unit))
+        if self.timeline is not None:  # --timeline: memory.py records this moment
+            self.timeline.record(self.zero, what, unit)
 
 
 # The formulas (the paper's Figure 1 and Section 7), printed next to what is measured
@@ -1535,238 +1533,17 @@ def _fit(x, decimals, width=6):
     return text if len(text) <= width else f"{x:.0e}"
 
 
-# The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
-# step, as Meter.event sees them, drawn as stacked bands (an SVG file) and as text (the
-# terminal). It shows what the tables only sum up: stage 0 holds everything all step long,
-# stage 1 cuts the optimizer band, stage 2's gradients rise and fall unit by unit during
-# backward, stage 3's parameters are a sawtooth of gathers and frees.
-
-STACK = ("optimizer", "params", "grads")  # bottom to top: the steady band under the moving ones
-COLORS = {"optimizer": "#59a14f", "params": "#4e79a7", "grads": "#f28e2b"}
-CHARS = {"optimizer": "░", "params": "█", "grads": "▒"}
-
-
-def start_timeline(zero):
-    """From now on every Meter.event appends its moment to zero.meter.timeline; the first one
-    measures everything."""
-    zero.meter.timeline = []
-    zero.meter.event("before forward")
-
-
-def stop_timeline(zero):
-    timeline, zero.meter.timeline = zero.meter.timeline, None
-    return timeline
-
-
-def timeline_entry(zero, what, unit):
-    """{"event": what happened, params, grads, optimizer: bytes this rank holds after it (with
-    what is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
-    i = None if unit is None else zero.units.index(unit)
-    reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
-    label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
-             "reduction launched": f"{reduction} of unit {i} launched",
-             "reduction landed": f"{reduction} of unit {i} landed",
-             "gradient buffer": f"gradient buffer of unit {i} made",
-             "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
-             "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
-    device = zero.units[0].flat.device
-    return {"event": label, **{k: zero.meter.now[k] for k in STACK},
-            "cuda": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
-
-
-def timeline_panel(res, args):
-    """What one run's picture needs: its events and the formula's level of each kind."""
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter, as in report()
-    s, G = res["stage"], getattr(args, "shard_size", None) or res["world"]
-    n = "N" if G == res["world"] else "G"  # hybrid sharding: what is sharded is 1/G
-    return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
-            "groups": f", G = {G}" if G < res["world"] else "",
-            "events": res["timeline"], "dtype": "bf16 mixed precision" if args.bf16 else "fp32",
-            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob, shard_size=G),
-            "symbols": {"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
-                        "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
-                        "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)}}
-
-
-def _total(e):
-    return sum(e[k] for k in STACK)
-
-
-def _peak(events):  # the first event after which the most is held
-    return max(range(len(events)), key=lambda j: _total(events[j]))
-
-
-def _top(panels, cuda):  # the top of the byte axis all panels share
-    return max(max(sum(p["formula"].values()), _total(e), cuda and e["cuda"] or 0)
-               for p in panels for e in p["events"])
-
-
 def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:.4g}{unit}"
     return f"{n:.0f}"
 
-
-def timeline_text(panels, width=100):
-    """The panels as text on one scale, one row per event: the bytes of each kind after it and a
-    stacked bar; ▶ marks the peak, | the formula's total. At most `width` columns wide."""
-    bar, top, out = width - 62, _top(panels, cuda=False), []
-    col = lambda b: round(b * bar / top)  # noqa: E731
-    for p in panels:
-        ev, formula, peak = p["events"], sum(p["formula"].values()), _peak(p["events"])
-        out += [f"stage {p['stage']}, {STAGE_NAMES[p['stage']].split(':')[0]}: model-state bytes "
-                f"of rank 0 after each event of step {p['step']} (N = {p['world']}{p['groups']})",
-                f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
-                f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
-                f"  {'event':<34} {'params':>7} {'grads':>7} {'optim':>7}"]
-        for j, e in enumerate(ev):
-            cum, row = 0, ""
-            for kind in STACK:
-                row += CHARS[kind] * (col(cum + e[kind]) - col(cum))
-                cum += e[kind]
-            c = max(col(formula), 1)  # the formula's total: a | in (or after) the bar
-            row = row[:c - 1].ljust(c - 1) + "|" + row[c:]
-            out.append(f"{'▶' if j == peak else ' '} {e['event'][:34]:<34} {_si(e['params']):>7} "
-                       f"{_si(e['grads']):>7} {_si(e['optimizer']):>7} {row}")
-        out.append(f"  ▶ peak {_si(_total(ev[peak]))}B at event {peak + 1} of {len(ev)}: "
-                   f"{ev[peak]['event']}")
-        if ev[0]["cuda"] is not None:
-            j = max(range(len(ev)), key=lambda j: ev[j]["cuda"])
-            out.append(f"  torch.cuda.memory_allocated (activations too): most "
-                       f"{_si(ev[j]['cuda'])}B at {ev[j]['event']}")
-        out.append("")
-    return "\n".join(out)
-
-
-def timeline_svg(panels):
-    """The panels side by side on one byte axis: per panel one band (a <path>) per kind, stacked,
-    the formula's level of each kind (stacked the same way) dashed, the peak marked, and on
-    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event."""
-    from html import escape
-    W, H, GAP, L, T = 300, 240, 40, 70, 78  # a panel's width and height, gap, left, top margins
-    top = _top(panels, cuda=True) * 1.08
-    y = lambda b: T + H - H * b / top  # noqa: E731
-    tick = 1
-    while tick * 10 <= top / 4:
-        tick *= 10
-    tick *= next(m for m in (1, 2, 5, 10) if tick * m * 6 >= top)  # at most 6 ticks
-    p0, right = panels[0], L + len(panels) * (W + GAP)
-    title = (f'Model-state bytes of rank 0 after each event of one training step (N = '
-             f'{p0["world"]}, Ψ = {p0["psi"]:,}, {p0["dtype"]} AdamW)')
-    svg = [f'<text x="{L}" y="20" font-size="14">{title}</text>']
-    cuda = any(e["cuda"] is not None for p in panels for e in p["events"])
-    legend = [(f'<rect width="10" height="10" y="-9" fill="{COLORS[k]}"/>', k) for k in STACK[::-1]]
-    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-dasharray="4 2"/>',
-                "formula, stacked"), ('<circle cx="5" cy="-4" r="4" fill="red"/>', "peak")]
-    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-width="2"/>',
-                "torch.cuda.memory_allocated (activations included)")] * cuda
-    x = L
-    for mark, text in legend:
-        svg.append(f'<g transform="translate({x},44)">{mark}<text x="18">{text}</text></g>')
-        x += 30 + 7 * len(text)
-    width = max(right, x, L + 8 * len(title))
-    for k in range(int(top // tick) + 1):  # the byte axis, shared by every panel
-        svg.append(f'<line x1="{L}" x2="{right - GAP}" y1="{y(k * tick):.1f}" '
-                   f'y2="{y(k * tick):.1f}" stroke="#ddd"/><text x="{L - 5}" '
-                   f'y="{y(k * tick) + 4:.1f}" text-anchor="end">{_si(k * tick)}B</text>')
-    for i, p in enumerate(panels):
-        ev, x0 = p["events"], L + i * (W + GAP)
-        dx = W / len(ev)
-        mid = [x0 + (j + 0.5) * dx for j in range(len(ev))]
-        low = [0] * len(ev)
-        for kind in STACK:  # a band: along its top edge, back along its bottom edge
-            high = [a + e[kind] for a, e in zip(low, ev)]
-            edge = [(x0 + (j + h) * dx, high[j]) for j in range(len(ev)) for h in (0, 1)]
-            edge += [(x0 + (j + h) * dx, low[j]) for j in reversed(range(len(ev))) for h in (1, 0)]
-            d = " L".join(f"{a:.1f},{y(b):.1f}" for a, b in edge)
-            svg.append(f'<path class="band {kind}" data-stage="{p["stage"]}" '
-                       f'fill="{COLORS[kind]}" d="M{d} Z"><title>{kind}</title></path>')
-            low = high
-        level = 0
-        for kind in STACK:  # labels right, left, right: they do not overlap where lines are close
-            level += p["formula"][kind]
-            at = f'x="{x0 + 2}"' if kind == "params" else f'x="{x0 + W - 2}" text-anchor="end"'
-            svg.append(f'<line class="formula {kind}" x1="{x0}" x2="{x0 + W}" y1="{y(level):.1f}"'
-                       f' y2="{y(level):.1f}" stroke="black" stroke-dasharray="4 2"/><text '
-                       f'{at} y="{y(level) - 3:.1f}">{kind} {p["symbols"][kind]}</text>')
-        if cuda:
-            line = " ".join(f"{x:.1f},{y(e['cuda'] or 0):.1f}" for x, e in zip(mid, ev))
-            svg.append(f'<polyline class="cuda" points="{line}" fill="none" stroke="black" '
-                       f'stroke-width="2"/>')
-        for j, e in enumerate(ev):  # the event under the pointer
-            svg.append(f'<rect x="{x0 + j * dx:.1f}" y="{T}" width="{dx:.1f}" height="{H}" '
-                       f'fill="transparent"><title>{j + 1}. {escape(e["event"])}: params '
-                       f'{e["params"]:,}, grads {e["grads"]:,}, optimizer {e["optimizer"]:,}'
-                       f'</title></rect>')
-        j = _peak(ev)
-        svg.append(f'<circle class="peak" cx="{mid[j]:.1f}" cy="{y(_total(ev[j])):.1f}" r="4" '
-                   f'fill="red"/><text x="{x0}" y="{T + H + 30}">peak {_si(_total(ev[j]))}B at '
-                   f'event {j + 1}: {escape(ev[j]["event"])}</text>')
-        for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
-            svg.append(f'<line x1="{x0 + j * dx:.1f}" x2="{x0 + j * dx:.1f}" y1="{T}" '
-                       f'y2="{T + H}" stroke="#444" stroke-dasharray="1 3"/><text '
-                       f'x="{x0 + j * dx - 3:.1f}" y="{T + H - 4}" text-anchor="end">step</text>')
-        svg.append(f'<text x="{x0}" y="{T - 8}" font-size="13">stage {p["stage"]}: '
-                   f'{STAGE_NAMES[p["stage"]].split(":")[0]}</text><text x="{x0}" '
-                   f'y="{T + H + 15}">{len(ev)} events of step {p["step"]}, in order</text>')
-        svg.append(f'<rect x="{x0}" y="{T}" width="{W}" height="{H}" fill="none" stroke="#999"/>')
-    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{T + H + 40}" '
-            f'font-family="sans-serif" font-size="11">',
-            '<rect width="100%" height="100%" fill="white"/>']
-    return "\n".join(head + svg + ["</svg>", ""])
-
-
-def show_timeline(panels, path):
-    """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
-    if dist.get_rank() == 0:
-        print("\n" + timeline_text(panels), flush=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(timeline_svg(panels))
-        print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
-
-
-def train_every_stage(args):
-    """--timeline-all: train stages 0-3 in turn, in this one process group with the same args,
-    recording the last step of each; rank 0 draws the four side by side."""
-    panels = []
-    for stage in range(4):
-        res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
-        panels.append(timeline_panel(res, args))
-        ev = panels[-1]["events"]
-        log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
-             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(ev)} events, "
-             f"peak {_si(_total(ev[_peak(ev)]))}B")
-    show_timeline(panels, args.timeline_all)
-
-
-def check_timeline_args(args):
-    """--timeline, --timeline-all: bad input is a UsageError before anything runs."""
-    path = args.timeline or args.timeline_all
-    if args.timeline and args.timeline_all:
-        raise UsageError("--timeline and --timeline-all: choose one")
-    if args.estimate or args.consolidate:
-        raise UsageError("--timeline and --timeline-all draw a training run: not with "
-                         "--estimate or --consolidate")
-    if args.steps < 2:
-        raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
-    if args.timeline_all and args.ckpt_dir:
-        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir")
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
-                         if not os.path.isdir(path) else f"{path} is a directory")
-
-
 # ----------------------------------------------------------------------------------------------
 # Checks: bad input is a clear error, ranks that disagree fail fast instead of hanging
 
 class UsageError(Exception):
     """Bad input from the command line or the environment: printed as one line, exit code 2."""
-
-
-class CheckpointError(UsageError):
-    """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
 
 
 def choose_device(backend, device):
@@ -2081,22 +1858,6 @@ def _write_back(zero, units, wanted, mine):
             dist.broadcast(p.data, src=0)
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints. A checkpoint must outlive its job's shape: it is written by N ranks at one stage
-# and may be read by M ranks at another. So what a rank writes is stated in the coordinates of
-# the model, not of the sharding: its 1/N of each unit's elements (stage 0 too: every rank holds
-# everything, each writes 1/N of it), fp32 master values and each per-element optimizer state
-# (Adam's m and v), plus the names and shapes of the parameters in each unit's flat order
-# (layout()). Reading cuts what a rank owns now out of the parts that hold it, parameter by
-# parameter, by name. The files: save_checkpoint() below.
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _wide(t):
     """t in float32, or kept in float64: the precision masters are saved and returned in."""
     return t.to(_wide_dtype(t))
@@ -2115,1004 +1876,6 @@ def layout(zero):
             "dtype": {"compute": str(u0.flat.dtype), "master": str(_wide(u0.master).dtype)},
             "units": [[[names[p], list(p.shape)] for p in u.params] for u in zero.units],
             "replicated": {n: list(t.shape) for n, t in replicated(zero.model)}}
-
-
-def checkpoint_part(zero):
-    """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
-    unit's fp32 master weights and per-element optimizer state, the optimizer scalars (Adam's
-    step count) of each parameter it steps, and hyper-parameters, the layout; rank 0 also the
-    frozen parameters and buffers."""
-    units, q = [], part_index(zero.rank, zero.world, zero.N)
-    names = {p: n for n, p in zero.model.named_parameters()}
-    state = {piece: zero.optimizer.state.get(piece, {}) for u in zero.units for piece in u.pieces}
-    per_element = lambda v, piece: torch.is_tensor(v) and v.shape == piece.shape  # noqa: E731
-    keys = list(dict.fromkeys(k for piece, st in state.items() for k, v in st.items()
-                              if per_element(v, piece)))  # Adam's m and v
-    # Scalars per parameter, by name: one that got no gradient in some steps was stepped fewer
-    # times (Adam's step count, which its bias correction reads). A parameter absent: the
-    # optimizer holds no state for it yet (never stepped), and its per-element state is zeros.
-    scalars = {}
-    for u in zero.units:
-        for piece, owners in zip(u.pieces, u.owners):
-            for p in owners if state[piece] else ():  # a copy: a later step must not change it
-                scalars[names[p]] = {k: v.clone() if torch.is_tensor(v) else v
-                                     for k, v in state[piece].items() if not per_element(v, piece)}
-    for u in zero.units:
-        S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
-        lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
-        # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
-
-        def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
-            starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
-            pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
-            return _wide(torch.cat([u.master[:0]] + [t.detach() for t in pieces if t.numel()]))
-        units.append({"master": mine(u.pieces), "state": {
-            k: mine([state[piece].get(k, torch.zeros_like(piece)) for piece in u.pieces])
-            for k in keys}})
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
-    return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
-            "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
-            "replicated": {n: t.detach().clone() for n, t in replicated(zero.model)}
-            if zero.rank == 0 else {}}
-
-
-def load_own_part(zero, state):
-    """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
-    Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
-    0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
-    q = part_index(zero.rank, zero.world, zero.N)
-    if not isinstance(state, dict) or state.get("rank") != q or \
-            state.get("layout") != layout(zero):
-        raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of this "
-                              "model at this stage and world size; for any other, use "
-                              "save_checkpoint() and load_checkpoint()")
-    parts = [state if r == q else None for r in range(zero.world)]
-    if zero.stage == 0 and zero.world > 1:
-        parts = _gather_parts(zero, state, None, range(zero.world))
-    elif zero.replica_group is not None:  # the other parts of this shard: its replicas wrote them
-        parts = _gather_parts(zero, state, zero.replica_group, range(zero.rank % zero.N,
-                                                                     zero.world, zero.N))
-    load_parts(zero, parts, state["layout"])
-    for _, t in replicated(zero.model):  # only rank 0's part holds them
-        dist.broadcast(t.data, src=0)
-
-
-def _gather_parts(zero, state, group, ranks):
-    """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
-    each one's own; None for the others."""
-    parts = [None] * zero.world
-    for r in ranks:
-        parts[part_index(r, zero.world, zero.N)] = dict(state, units=[], replicated=None,
-                                                        rank=part_index(r, zero.world, zero.N))
-    if parts[0] is not None:
-        parts[0]["replicated"] = state["replicated"] if state["rank"] == 0 else None
-    device = zero.units[0].flat.device
-    for unit in state["units"]:
-        gathered = {}
-        for key, t in [("master", unit["master"]), *unit["state"].items()]:
-            full = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
-            all_gather(full, t.to(device), group=group)
-            gathered[key] = full.cpu().view(len(ranks), -1)
-        for j, r in enumerate(ranks):
-            parts[part_index(r, zero.world, zero.N)]["units"].append({
-                "master": gathered["master"][j],
-                "state": {k: v[j] for k, v in gathered.items() if k != "master"}})
-    return parts
-
-
-def load_parts(zero, parts, written):
-    """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
-    all its ranks, in rank order (None for a part this rank does not need), `layout` the
-    writer's layout(). Exact: each element's values are copied, not recomputed."""
-    where, S = {}, []  # parameter name -> (writer's unit, offset in its flat); writer's shard sizes
-    for i, params in enumerate(written["units"]):
-        o = 0
-        for name, shape in params:
-            where[name], o = (i, o), o + _numel(shape)
-        S.append(-(-o // len(parts)))
-
-    def read(name, lo, hi, key):  # elements [lo, hi) of a parameter, from the parts that hold them
-        i, o = where[name]
-        return _elements(parts, S[i], i, o + lo, o + hi, key)
-
-    first = next(p for p in parts if p is not None)
-    keys = list(dict.fromkeys(k for part in parts if part is not None
-                              for unit in part["units"] for k in unit["state"]))
-    scalars = {}  # parameter name -> its optimizer scalars; absent: no state, never stepped
-    for part in parts:
-        scalars.update(_param_scalars(part, written) if part is not None else {})
-    load_values(zero, read, keys, scalars, first["hyper"],
-                parts[0]["replicated"] if parts[0] is not None else None)
-
-
-def _elements(parts, S, i, lo, hi, key):
-    """Elements [lo, hi) of unit i's flat `key` (master or an optimizer state), which the writer
-    cut into parts of S elements: a view where one part holds them all, else a copy."""
-    out = []
-    while lo < hi:
-        q = lo // S  # the rank that wrote element lo
-        end = min(hi, (q + 1) * S)
-        unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
-        t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
-        out.append(t[lo - q * S:end - q * S])
-        lo = end
-    return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def load_values(zero, read, keys, scalars, hyper, frozen):
-    """Load what read(name, lo, hi, key) gives, elements [lo, hi) of a parameter (by name,
-    flattened) of its master weights (key "master") or of each per-element optimizer state in
-    `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
-    parameter the optimizer has state for; `hyper` the param_groups without their params;
-    `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
-    keys = ["master", *keys]
-    names = {p: n for n, p in zero.model.named_parameters()}
-    state = {}
-    with torch.no_grad():
-        for u in zero.units:
-            lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
-            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
-                      for k in keys}  # padding 0
-            for p in u.params:
-                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
-                if a < b:  # p has elements in this rank's range: fetch them by p's name
-                    for k, t in values.items():
-                        t[a - lo:b - lo] = read(names[p], a - u.offset[p], b - u.offset[p], k)
-            u.master.copy_(values.pop("master"))
-            u.shard.copy_(u.master)  # the same tensor, unless mixed precision
-            if any(len({_digest(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
-                split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
-            sizes = [piece.numel() for piece in u.pieces]
-            chunks = (t.split(sizes) for t in values.values())
-            for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
-                p = owners[0]  # (the parameters of a piece have the same scalars)
-                if names[p] in scalars:  # the optimizer has state for p (it was stepped)
-                    state[piece] = {**dict(zip(values, chunk)),
-                                    **{k: v.clone() if torch.is_tensor(v) else v
-                                       for k, v in scalars[names[p]].items()}}
-        if frozen is not None:
-            for n, t in replicated(zero.model):
-                t.copy_(frozen[n])
-    index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
-    groups = [{**h, "params": g["params"]}
-              for h, g in zip(hyper, zero.optimizer.state_dict()["param_groups"])]
-    zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
-                                    "param_groups": groups})
-    zero.zero_grad()
-    zero._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
-
-
-def _param_scalars(part, written):
-    """{parameter name: optimizer scalars} of a part. Parts written before parameters could
-    skip steps hold one set of scalars, which every parameter had (if the optimizer had state)."""
-    if "param_scalars" in part:
-        return part["param_scalars"]
-    stateful = part["scalars"] or any(unit["state"] for unit in part["units"])
-    return {n: part["scalars"] for unit in written["units"] for n, _ in unit} if stateful else {}
-
-
-def check_checkpoint(zero, parts, written):
-    """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
-    checked by read_checkpoint) fits this model and optimizer."""
-    mine = layout(zero)
-    want = {n: s for unit in mine["units"] for n, s in unit}
-    got = {n: s for unit in written["units"] for n, s in unit}
-    for kind, a, b in [("parameter", want, got),
-                       ("frozen parameter or buffer", mine["replicated"], written["replicated"])]:
-        another_model(a, b, kind)
-    # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
-    # _part_problem); what is left is that every part holds the same optimizer states (or none:
-    # a rank whose parameters never got a gradient has no state to write).
-    keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
-    for r, part in enumerate(parts):
-        if not all(isinstance(s, dict) for s in _param_scalars(part, written).values()):
-            raise CheckpointError(f"checkpoint part of rank {r}: its optimizer scalars are not "
-                                  "a dictionary per parameter")
-        for i, unit in enumerate(part["units"]):
-            if set(unit["state"]) not in (keys, set()):
-                raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
-                                      f"{sorted(unit['state'])}, other parts have "
-                                      f"{sorted(keys)}")
-    if parts[0].get("optimizer") != type(zero.optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
-                              f", this run has {type(zero.optimizer).__name__}")
-
-
-def another_model(here, there, kind="tensor"):
-    """Raise CheckpointError naming the first name whose shape differs between `here` and
-    `there` ({name: shape as a list}), or that only one of them has."""
-    for n in list(here) + list(there):
-        if here.get(n) != there.get(n):
-            raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
-                                  f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
-
-
-def full_state_dict(zero):
-    """{name: full float32 tensor (float64 for a float64 parameter)} for every parameter (tied
-    ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
-    full = {}
-    for unit in zero.units:  # one unit at a time: stage 3 never holds the whole model at once
-        if zero.stage == 0:
-            flat = _wide(unit.master)  # [N*S]: every rank steps the whole unit
-        elif zero.stage < 3 and not zero.mixed_precision:
-            flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
-        else:  # the masters are sharded: gather them
-            flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
-            all_gather(flat, unit.master, group=zero.shard_group)  # [N*S] <- every rank's [S]
-            zero.meter.sent("all_gather", flat)
-            flat = _wide(flat)
-        full.update({p: unit.view(flat, p).clone() for p in unit.params})
-    return {n: full[p] if p in full else _wide(p.detach()).clone()
-            for n, p in zero.model.named_parameters()}
-
-
-def load_full_state_dict(zero, state):
-    """opt.load_full_state_dict(state): load a plain state_dict, e.g. pretrained weights as
-    torch.load(path, mmap=True, weights_only=True) gives them, into a wrapped model. Each rank
-    copies only the elements of its own shard of each unit (and the frozen parameters and
-    buffers, which every rank holds whole), so of a memory-mapped file it reads only those
-    pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
-    (floating or not) must fit the model; a tied parameter needs one of its names."""
-    want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    source = {}
-    for key, t in want.items():
-        if key in state and t not in source:
-            source[t] = (key, state[key])
-    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in source),
-                   next((f"{key!r} is not in the model" for key in state if key not in want),
-                        None))
-    for t, (key, s) in source.items():
-        if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
-                                s.is_floating_point() != t.dtype.is_floating_point):
-            problem = (f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} "
-                       f"{t.dtype} here" if torch.is_tensor(s) else f"{key!r} is not a tensor")
-    if problem:
-        raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
-                         f"{problem}")
-    with torch.no_grad():
-        for u in zero.units:
-            lo, S = u.my_slice.start, u.my_slice.stop - u.my_slice.start
-            mine = torch.zeros(S, dtype=u.master.dtype, device=zero.device)  # padding 0
-            for p in u.params:
-                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
-                if a < b:  # p has elements in this rank's shard: read just those
-                    flat = source[p][1].reshape(-1)  # a view of the (mapped) file's tensor
-                    mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
-            if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
-                u.master.copy_(mine)
-            else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
-                all_gather(u.master, mine, group=zero.shard_group)
-                zero.meter.sent("all_gather", u.master, u)
-            u.shard.copy_(u.master)  # the same tensor, unless mixed precision
-        for _, t in replicated(zero.model):
-            if t in source:
-                t.copy_(source[t][1])
-    zero._gather_params()  # stages 1 and 2: the full parameters from every rank's shard
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoint files: sharded, atomic, and readable at any stage and world size
-#
-#   DIR/step_00000010/rank_00000.pt ... rank_00003.pt   each rank's state_dict(), in parallel
-#   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and
-#                                                       shapes, every file's size and sha256
-#
-# A checkpoint is complete when its manifest exists. Every file is written under a temporary
-# name, fsync'ed and renamed (a rename is atomic), and the manifest only after every rank's file
-# is on disk, so a job killed in the middle of a save leaves the previous checkpoint as it was
-# and an incomplete directory that loading skips. The newest `keep` complete ones are kept, and
-# always the one just written. Only the names save_checkpoint writes (step_ and the step in 8 or
-# more digits) are checkpoints: anything else in DIR is never read, nor deleted.
-#
-# One job per DIR (ckpt_dir_lock): two jobs in one directory delete each other's checkpoints.
-# The manifest is data, not instructions: a reader opens only the files a writer of its
-# world_size would have written (rank_<r>.pt, r < N), only if they are regular files, and checks
-# that each one holds the part of its own rank.
-
-FORMAT = "zero.py sharded checkpoint, version 1"
-
-
-def _atomic_write(path, write):
-    """write(f) into a temporary file, then rename it to path. If the writing or the rename
-    fails, the temporary file is removed and path is as it was."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(os.path.dirname(path))  # and so is the rename
-
-
-def _exchange(a, b):
-    """Swap the names of directories a and b in one step: Linux's renameat2(RENAME_EXCHANGE),
-    so that b is at every moment either the old directory or the new one, whole. Where the
-    system has no such call: two renames, between which b is briefly missing (its old contents
-    whole at a)."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if hasattr(libc, "renameat2"):
-        AT_FDCWD, RENAME_EXCHANGE = -100, 2
-        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b),
-                          RENAME_EXCHANGE) == 0:
-            return _fsync_dir(os.path.dirname(b))
-        if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
-    os.rename(b, a + ".old")
-    os.rename(a, b)
-    os.rename(a + ".old", a)
-    _fsync_dir(os.path.dirname(b))
-
-
-def _is_temporary(name):
-    """A name _atomic_write gives its temporary files: NAME.tmp<pid>."""
-    stem, _, pid = name.rpartition(".tmp")
-    return bool(stem) and pid.isascii() and pid.isdigit()
-
-
-def _fsync_dir(path):
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _json_lines(d):  # a key a line
-    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()) + "\n}\n"
-
-
-def _step_of(name):
-    """The step of a checkpoint directory's name, step_00000010 -> 10; None for any other name
-    (step_00000010.bak, step_, step_10, a file's name...)."""
-    digits = name[5:]
-    if name.startswith("step_") and digits.isascii() and digits.isdigit():
-        if name == f"step_{int(digits):08d}":
-            return int(digits)
-    return None
-
-
-def _steps(root):
-    """{step: directory} of the complete checkpoints under root."""
-    try:
-        names = os.listdir(root) if os.path.isdir(root) else []
-    except OSError as e:
-        raise CheckpointError(f"{root}: cannot be listed ({e.strerror})") from None
-    found = {}
-    for name in names:
-        step = _step_of(name)
-        if step is not None and any(os.path.exists(os.path.join(root, name, marker))
-                                    for marker in ("manifest.json", DCP_MARKER)):
-            found[step] = os.path.join(root, name)
-    return found
-
-
-def latest_checkpoint(root):
-    """The newest complete checkpoint directory under root, or None."""
-    found = _steps(root)
-    return found[max(found)] if found else None
-
-
-def choose_checkpoint(root, device):
-    """latest_checkpoint(root) as rank 0 sees it, on every rank (a collective). Each rank listing
-    root on its own could resume two ranks from two checkpoints, when one completes between their
-    listings."""
-    mine, error = -1, None
-    if dist.get_rank() == 0:
-        try:
-            mine = max(_steps(root), default=-1)
-        except CheckpointError as e:
-            mine, error = -2, e
-    choice = torch.tensor([mine], dtype=torch.int64, device=device)
-    dist.broadcast(choice, src=0)
-    step = choice.item()
-    if step == -2:
-        raise error or CheckpointError(f"{root}: rank 0 cannot list it")
-    return None if step < 0 else os.path.join(root, f"step_{step:08d}")
-
-
-def _first_error(error, device):
-    """Every rank's error message ("": none) to every rank, in one small all-gather, and the first
-    of them, or "". What lets all ranks raise together: none is left waiting in a collective."""
-    text = error.encode()[:512]
-    rows = _all_ranks(list(text.ljust(512, b"\0")), device, dtype=torch.uint8)
-    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
-    return next((e for e in errors if e), "")
-
-
-def _lock_holder(fd):
-    """' (process PID)' if /proc/locks names the process that holds a flock on fd's file."""
-    st = os.fstat(fd)
-    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    with contextlib.suppress(OSError, IndexError):
-        with open("/proc/locks") as f:  # 1: FLOCK  ADVISORY  WRITE 5833 fe:00:2146937 0 EOF
-            for fields in map(str.split, f):
-                if fields[1] == "FLOCK" and fields[5] == file:
-                    return f" (process {fields[4]})"
-    return ""
-
-
-@contextlib.contextmanager
-def ckpt_dir_lock(root, device):
-    """Make `root` (created if missing) this job's checkpoint directory while in this block; every
-    rank enters it (a collective). A directory that is a file or not writable, or in use by
-    another job, is a UsageError on every rank, before any training.
-
-    One job per directory: rank 0 holds an exclusive flock on the directory itself (no lock file
-    to leave behind). The kernel drops it when the process ends, however it ends, so a job that
-    died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
-    the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
-    import fcntl
-    fd, error = None, ""
-    try:
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise UsageError(f"checkpoint directory {root}: exists and is not a directory")
-        os.makedirs(root, exist_ok=True)
-        if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-            raise UsageError(f"checkpoint directory {root}: not writable")
-        if dist.get_rank() == 0:
-            fd = os.open(root, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise UsageError(f"checkpoint directory {root}: in use by another job"
-                                 f"{_lock_holder(fd)}; one job per directory") from None
-            except OSError as e:
-                print(f"warning: checkpoint directory {root} cannot be locked ({e.strerror}): "
-                      "make sure that no other job uses it", file=sys.stderr, flush=True)
-    except UsageError as e:
-        error = str(e)
-    except OSError as e:
-        error = f"checkpoint directory {root}: {e.strerror or e}"
-    error = _first_error(error, device)
-    try:
-        if error:
-            raise UsageError(error)
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # the lock goes with the last descriptor of its open file
-
-
-def _remove_quietly(path):
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
-def _rotate(root, step, keep):
-    """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
-    complete ones, but never the one just written (`step`, even if older), the temporary
-    files that saves killed midway left in the checkpoints kept, and the STEP.partial
-    directories of DCP saves killed midway (save_dcp: this one's is renamed by now)."""
-    found = sorted(_steps(root))
-    if not found:
-        return
-    kept = set(found[-keep:]) | {step}
-    for name in os.listdir(root):
-        s = _step_of(name)
-        partial = name.endswith(".partial") and _step_of(name[:-len(".partial")]) is not None
-        if partial or s is not None and s < min(found[-keep:]) and s not in kept:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    for s in kept:
-        path = os.path.join(root, f"step_{s:08d}")
-        for name in filter(_is_temporary, os.listdir(path)):
-            _remove_quietly(os.path.join(path, name))
-
-
-def save_checkpoint(opt, root, step, extra=None, keep=2):
-    """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
-    rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
-    is removed, and the checkpoints written before are as they were."""
-    final = path = os.path.join(root, f"step_{step:08d}")
-    device = opt.units[0].flat.device
-    # Overwriting a complete checkpoint of the same step: the new one is written whole beside it
-    # and then takes its name in one rename (_exchange), so that the old one stays whole until
-    # the new one is complete. (Every rank sees the same: no manifest is written before the
-    # all-gather below. Rank 0 clears what a killed overwrite may have left, then a barrier.)
-    if os.path.exists(os.path.join(final, "manifest.json")):
-        path = final + ".tmp0"  # (a temporary name: _is_temporary, never a step: _step_of)
-        if opt.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        _first_error("", device)
-    q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
-    name = os.path.join(path, f"rank_{q:05d}.pt")
-    manifest_path = os.path.join(path, "manifest.json")
-
-    def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
-        if error:
-            _remove_quietly(name)  # (a manifest that failed is never renamed into place)
-            if opt.rank == 0:
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)  # if nothing else is left in it
-            raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written "
-                                  "before it are intact")
-
-    size, digest, error = 0, bytes(32), ""
-    try:
-        os.makedirs(path, exist_ok=True)
-        _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
-        _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
-        size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
-    except (OSError, RuntimeError) as e:  # torch.save reports some failed writes as RuntimeError
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        error = f"rank {opt.rank}: {getattr(e, 'filename', None) or name}: {reason}"
-    failed(_first_error(error, device))
-    # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
-    # also the barrier that makes every rank's file durable before the manifest is written.
-    rows = _all_ranks([size, *digest], device)
-    error = ""
-    if opt.rank == 0:
-        files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
-                 for r, row in enumerate(rows)}
-        aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
-        keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
-                if p.requires_grad}
-        manifest = {"format": FORMAT, "step": step, **layout(opt),
-                    "optimizer": type(opt.optimizer).__name__,
-                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
-                    "files": files,
-                    "extra": extra or {}}
-        try:
-            _atomic_write(manifest_path, lambda f: f.write(_json_lines(manifest).encode()))
-            if path != final:  # complete: it takes the old one's name, the old one goes
-                _exchange(path, final)
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError as e:
-            error = f"rank 0: {manifest_path}: {e.strerror or e}"
-        else:
-            with contextlib.suppress(OSError, CheckpointError):
-                _rotate(root, step, keep)
-    # nobody goes on (or dies) believing a save is complete before it is
-    failed(_first_error(error, device))
-
-
-def _count(x, least=0):
-    return type(x) is int and x >= least  # an int, and not a bool
-
-
-def _is_shape(x):
-    return isinstance(x, list) and all(map(_count, x))
-
-
-def _manifest_problem(m):
-    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
-    if not _count(m.get("step")):
-        return f"'step' is {m.get('step')!r}, not a step number"
-    if not (_count(m.get("stage")) and m["stage"] < 4):
-        return f"'stage' is {m.get('stage')!r}, not 0, 1, 2 or 3"
-    n = m.get("world_size")
-    if not _count(n, 1):
-        return f"'world_size' is {n!r}, not a number of ranks"
-    units, replicated = m.get("units"), m.get("replicated")
-    if not (isinstance(units, list) and all(isinstance(u, list) for u in units) and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _is_shape(p[1])
-            for u in units for p in u)):
-        return "'units' is not a list, per unit, of [name, shape] (a shape: a list of ints >= 0)"
-    if not (isinstance(replicated, dict) and all(map(_is_shape, replicated.values()))):
-        return "'replicated' is not a dictionary {name: shape}"
-    psi = sum(_numel(s) for u in units for _, s in u)
-    if m.get("psi") != psi:
-        return f"'psi' is {m.get('psi')!r}, its units hold {psi} elements"
-    names = {name for u in units for name, _ in u} | set(replicated)
-    keys = m.get("keys")
-    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) == 2 and
-                                           all(isinstance(x, str) for x in k) and k[1] in names
-                                           for k in keys)):
-        return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
-    files = m.get("files")
-    if not isinstance(files, dict) or not files:
-        return "'files' is missing or empty"
-    want = {f"rank_{r:05d}.pt" for r in range(n)} if len(files) == n else set()
-    if set(files) != want:
-        named = ", ".join(map(repr, sorted(files)))
-        return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
-                f"not {named[:200]}")
-    for file, entry in files.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and _count(entry[0]) and
-                isinstance(entry[1], str) and len(entry[1]) == 64 and
-                set(entry[1]) <= set("0123456789abcdef")):
-            return f"'files' entry {file}: not [size, sha256 in hex]"
-    if not isinstance(m.get("extra"), dict):
-        return "'extra' is missing or not a dictionary"
-    return None
-
-
-def _part_problem(part, r, manifest):
-    """What is wrong with the part of rank r (its own rank field, its units' sizes), or None."""
-    if not isinstance(part, dict):
-        return "not a checkpoint part"
-    if part.get("rank") != r:
-        return (f"holds the part of rank {part.get('rank')!r}, not of rank {r} "
-                "(files swapped or renamed?)")
-    units = part.get("units")
-    if not isinstance(units, list) or len(units) != len(manifest["units"]):
-        return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
-    for i, (unit, params) in enumerate(zip(units, manifest["units"])):
-        size = -(-sum(_numel(s) for _, s in params) // manifest["world_size"])
-        state = unit.get("state") if isinstance(unit, dict) else None
-        tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
-        if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
-            return f"unit {i}: not {size} elements of master weights and of each optimizer state"
-    replicated = part.get("replicated")
-    if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
-        return "'replicated' is not a dictionary of tensors"
-    if r == 0 and {n: list(t.shape) for n, t in replicated.items()} != manifest["replicated"]:
-        return "its frozen parameters and buffers are not the ones the manifest lists"
-    return None
-
-
-def _regular_size(file, missing):
-    """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
-    import stat
-    try:
-        st = os.stat(file)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: {missing}") from None
-    except OSError as e:
-        raise CheckpointError(f"{file}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{file}: not a regular file")
-    return st.st_size
-
-
-def read_checkpoint(path, verify=None):
-    """The manifest and every rank's part of the checkpoint in directory `path`, each part
-    checked against the manifest's size (and sha256, for the ranks in `verify`; None: all) and
-    read with torch.load(weights_only=True): a file cannot run code. mmap: a part's bytes are
-    read from disk only where they are used. No process group needed. Anything wrong, in the
-    manifest or in a part, is a CheckpointError that says what."""
-    if path is None:
-        raise CheckpointError("no checkpoint path was given (None: latest_checkpoint() returns "
-                              "None where there is no complete checkpoint)")
-    manifest_path = os.path.join(path, "manifest.json")
-    _regular_size(manifest_path, "missing: no manifest.json, not a complete checkpoint")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{manifest_path}: unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: not a {FORMAT!r} manifest")
-    problem = _manifest_problem(manifest)
-    if problem:
-        raise CheckpointError(f"{manifest_path}: {problem}")
-    n, parts = manifest["world_size"], []
-    for r in range(n):
-        file = os.path.join(path, f"rank_{r:05d}.pt")
-        size, digest = manifest["files"][os.path.basename(file)]
-        found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
-        if found != size:
-            raise CheckpointError(f"{file}: {found} bytes, the manifest says {size}: "
-                                  "truncated or overwritten")
-        try:
-            if (verify is None or r in verify) and _sha256(file) != digest:
-                raise CheckpointError(f"{file}: its sha256 differs from the manifest's: "
-                                      "the file is corrupt")
-            part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except CheckpointError:
-            raise
-        except OSError as e:
-            raise CheckpointError(f"{file}: {e.strerror or e}") from None
-        except Exception as e:  # weights_only refuses anything but plain tensors and containers
-            raise CheckpointError(f"{file}: cannot be read ({str(e).splitlines()[0]})") from None
-        problem = _part_problem(part, r, manifest)
-        if problem:
-            raise CheckpointError(f"{file}: {problem}")
-        parts.append(part)
-    return manifest, parts
-
-
-def load_checkpoint(opt, path):
-    """Load the checkpoint in directory `path` into opt, whatever stage and world size wrote it,
-    and return its manifest (step, extra). Every rank calls this; if any rank finds a problem,
-    every rank raises CheckpointError and nothing has changed. Each rank checks the hashes of
-    1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N
-    times. The optimizer's hyper-parameters (lr...) are the checkpoint's. A DCP checkpoint
-    (fsdp_demo.py's, of FSDP2): load_dcp."""
-    if path is not None and is_dcp(path):
-        return load_dcp(opt, path)
-    error = ""
-    try:
-        manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
-        check_checkpoint(opt, parts, manifest)
-    except CheckpointError as e:
-        error = str(e)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # other contents
-        error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"
-    # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
-    # up to 512 bytes of it, goes to every rank, and all raise the first one.
-    error = _first_error(error[:500], opt.units[0].flat.device)
-    if error:
-        raise CheckpointError(error)
-    load_parts(opt, parts, manifest)
-    return manifest
-
-
-def checkpoint_tensors(manifest, parts, key="master"):
-    """(name, tensor in its shape) of each parameter of a checkpoint (read_checkpoint), one at a
-    time, of the master weights or of the optimizer state `key`: a view of a memory-mapped part,
-    or a copy where two parts hold it. What consolidate() and fsdp_demo.py stream."""
-    for i, params in enumerate(manifest["units"]):
-        S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
-        for name, shape in params:
-            yield name, _elements(parts, S, i, o, o + _numel(shape), key).view(shape)
-            o += _numel(shape)
-
-
-def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's exp_avg, exp_avg_sq
-    return list(dict.fromkeys(k for part in parts for unit in part["units"] for k in unit["state"]))
-
-
-def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
-    return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
-
-
-def consolidate(path, out):
-    """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor} for
-    every key of the model's own state_dict(), in three formats: `out`, a torch.save file (what
-    model.load_state_dict() and --init-from take); OUT.safetensors (OUT: `out` without .pt),
-    what Hugging Face and inference engines load; OUT.dcp, a DCP directory (dcp.load, FSDP2's,
-    and dcp_to_torch_save read it). One process, no process group, any stage and world size.
-    Streamed, one tensor at a time: each is cut from the memory-mapped parts into the
-    .safetensors file, and the other two are written from that file, memory-mapped too: no
-    moment holds the whole model in memory. A checkpoint that is not right is a
-    CheckpointError, an output that cannot be written a UsageError; neither leaves a file."""
-    import mmap
-    import torch.distributed.checkpoint as dcp
-    manifest, parts = read_checkpoint(path)
-    base = out[:-3] if out.endswith(".pt") else out
-    outputs = [out, base + ".safetensors", base + ".dcp"]
-    try:
-        frozen, where = parts[0]["replicated"], {}
-        for i, params in enumerate(manifest["units"]):
-            S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
-            for name, shape in params:
-                where[name], o = (i, o, shape, S), o + _numel(shape)
-        master = getattr(torch, manifest["dtype"]["master"].removeprefix("torch."))
-
-        def tensor(name):  # the whole tensor, from the memory-mapped parts
-            if name in frozen:
-                return frozen[name]
-            i, o, shape, S = where[name]
-            return _elements(parts, S, i, o, o + _numel(shape), "master").view(shape)
-        items = [(key, name, list(frozen[name].shape) if name in frozen else where[name][2],
-                  frozen[name].dtype if name in frozen else master)
-                 for key, name in manifest["keys"]]
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
-    try:
-        _atomic_write(outputs[1], lambda f: _write_safetensors(f, items, tensor))
-        # the model again, each tensor a view of the .safetensors file's pages (mapped
-        # copy-on-write: writable, as torch.frombuffer wants, and nothing written back)
-        with open(outputs[1], "rb") as f:
-            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        start, views = 8 + int.from_bytes(pages[:8], "little"), {}
-        for key, name, shape, dtype, (a, b) in _safetensors_offsets(items):
-            if name not in views:  # a tied weight: one tensor under both keys, as state_dict()
-                views[name] = torch.frombuffer(pages, dtype=dtype, count=_numel(shape),
-                                               offset=start + a).view(shape) if b > a else \
-                    torch.zeros(shape, dtype=dtype)
-        state = {key: views[name] for key, name, _, _ in items}
-        _atomic_write(out, lambda f: torch.save(state, f))
-        tmp = outputs[2] + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
-            warnings.simplefilter("ignore")
-            dcp.save(state, checkpoint_id=tmp, no_dist=True)
-        _commit_dcp(tmp, outputs[2], {k: manifest[k] for k in ("step", "stage", "world_size")} |
-                    {"optimizer": None, "extra": manifest["extra"]})
-    except (OSError, RuntimeError) as e:
-        for o in outputs:
-            _remove_quietly(o)
-        shutil.rmtree(outputs[2], ignore_errors=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
-                         f"({reason})") from None
-    return manifest
-
-
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def _safetensors_offsets(items):  # (key, name, shape, dtype, [start, end) in the data)
-    o = 0
-    for key, name, shape, dtype in items:
-        n = _numel(shape) * dtype.itemsize
-        yield key, name, shape, dtype, (o, o + n)
-        o += n
-
-
-def _write_safetensors(f, items, tensor):
-    """The safetensors format, written by hand, tensor by tensor: a little-endian u64, the size
-    of a JSON header (every key's dtype, shape and byte range), the header, then the bytes.
-    (safetensors' own save_file() takes every tensor at once, in memory.)"""
-    header = {"__metadata__": {"format": "pt"}}
-    for key, _, shape, dtype, offsets in _safetensors_offsets(items):
-        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
-                       "data_offsets": list(offsets)}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    f.write(len(text).to_bytes(8, "little") + text)
-    for key, name, _, dtype in items:
-        f.write(tensor(name).contiguous().view(torch.uint8).numpy().data)
-
-
-# ----------------------------------------------------------------------------------------------
-# The same run under FSDP2 and back: torch.distributed.checkpoint (DCP). fsdp_demo.py writes its
-# checkpoints with DCP, as torchtitan does; zero.py continues them (load_dcp), and fsdp_demo.py
-# continues zero.py's (its Torch.load_checkpoint). Keys, as torch.distributed.checkpoint's
-# state_dict API gives them: model.<key> for each key of the model's state_dict(), and
-# optimizer.state.<name>.<exp_avg | exp_avg_sq | step> for each parameter, by name.
-#
-#   DIR/step_00000010/__0_0.distcp ... __3_0.distcp   each rank's shards, DCP's own files
-#   DIR/step_00000010/.metadata                       DCP's index: each tensor's shape, and which
-#                                                     file holds which of its rows (a pickle)
-#   DIR/step_00000010/complete.json                   step, stage, N, hyper-parameters, data
-#
-# Both sides agree on the model's coordinates, names and shapes, not on how a rank's shard is
-# cut: FSDP2 cuts every parameter on dim 0, zero.py one flat buffer per unit. So a reader asks
-# DCP for whole tensors by name and cuts its own elements out of them (load_values).
-# DCP writes in place, so a save goes into step_00000010.partial, then complete.json, then one
-# rename: a directory without complete.json is torn (a save killed midway) and is never chosen.
-# DCP's .metadata is a pickle, unlike zero.py's parts: load DCP checkpoints that you trust.
-
-DCP_FORMAT = "zero.py DCP checkpoint, version 1"
-DCP_MARKER = "complete.json"
-
-
-def is_dcp(path):
-    return not os.path.exists(os.path.join(path, "manifest.json")) and any(
-        os.path.exists(os.path.join(path, f)) for f in (".metadata", DCP_MARKER))
-
-
-def checkpoint_path(path):
-    """path itself if it is a checkpoint of either format, else the newest complete one in it."""
-    if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
-        return path
-    found = latest_checkpoint(path) if os.path.isdir(path) else None
-    if found is None:
-        raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
-                              "DCP's .metadata), and no complete checkpoint in it")
-    return found
-
-
-def _commit_dcp(tmp, path, info):
-    """Rank 0, once DCP has written every rank's files into tmp: the marker, then the rename."""
-    _atomic_write(os.path.join(tmp, DCP_MARKER),
-                  lambda f: f.write(_json_lines({"format": DCP_FORMAT, **info}).encode()))
-    if os.path.exists(path):  # the same step again: the names swapped in one step, as
-        _exchange(tmp, path)  # save_checkpoint does; the old one, now at tmp, goes
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
-
-
-def save_dcp(state, root, step, info, device, keep=2):
-    """dcp.save(state) as checkpoint `step` under root, in fsdp_demo.py's training: every rank
-    calls it (a collective), and writes its own shards. info: what complete.json records."""
-    import torch.distributed.checkpoint as dcp
-    path = os.path.join(root, f"step_{step:08d}")
-    tmp, error = path + ".partial", ""
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
-    dist.barrier()
-    try:
-        dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
-        if dist.get_rank() == 0:
-            _commit_dcp(tmp, path, {"step": step, **info})
-            with contextlib.suppress(OSError, CheckpointError):
-                _rotate(root, step, keep)
-    except (OSError, RuntimeError) as e:
-        error = f"rank {dist.get_rank()}: {str(e).splitlines()[0][:300]}"
-    error = _first_error(error, device)
-    if error:
-        raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written before "
-                              "it are intact")
-
-
-def read_dcp(path):
-    """complete.json, and {key: (shape, dtype)} of every tensor, of the DCP checkpoint in `path`,
-    checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
-    Reads the index only, no tensor."""
-    from torch.distributed.checkpoint import FileSystemReader
-    marker = os.path.join(path, DCP_MARKER)
-    _regular_size(marker, "missing: the DCP checkpoint is torn (a save killed midway?)")
-    try:
-        with open(marker) as f:
-            info = json.load(f)
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:  # (an unreadable marker, or DCP's index missing or not one)
-        raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(info, dict) or info.get("format") != DCP_FORMAT or \
-            not _count(info.get("step")) or not isinstance(info.get("extra"), dict):
-        raise CheckpointError(f"{marker}: not a {DCP_FORMAT!r} marker")
-    ends = Counter()  # each file's length that the index needs
-    for item in metadata.storage_data.values():
-        ends[item.relative_path] = max(ends[item.relative_path], item.offset + item.length)
-    for name, end in sorted(ends.items()):
-        size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
-        if size < end:
-            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
-                                  f"{end}: truncated, the checkpoint is torn")
-    tensors = {k: (list(v.size), v.properties.dtype)
-               for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
-    return info, tensors
-
-
-def check_dcp(model, optimizer, info, tensors, path):
-    """Raise CheckpointError unless the DCP checkpoint (read_dcp) is one of this model, with
-    this optimizer's per-parameter state. Returns {parameter name: [its optimizer's keys]}."""
-    keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
-                if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
-    if not info.get("optimizer") or not any(keys.values()):
-        raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
-                              "needs it; start from weights with --init-from")
-    here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
-    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
-    if info["optimizer"] != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
-                              f"run has {type(optimizer).__name__}")
-    return keys
-
-
-def load_dcp(zero, path):
-    """load_checkpoint() for a DCP checkpoint, whatever FSDP2's N, stage and mesh that wrote it.
-    Each rank asks DCP only for the tensors of the parameters its elements are in (DCP then reads
-    only their rows' bytes, from each writer's file), and cuts its elements out of them."""
-    import torch.distributed.checkpoint as dcp
-    error, loaded = "", {}
-    try:
-        info, tensors = read_dcp(path)
-        keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
-        names = {p: n for n, p in zero.model.named_parameters()}
-        want = [f"model.{n}" for n, _ in replicated(zero.model)]
-        for u in zero.units:
-            for p in u.params:
-                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
-                    want += [f"model.{names[p]}",
-                             *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
-        loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
-        with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
-    except CheckpointError as e:
-        error = str(e)
-    except Exception as e:  # DCP's own errors: a file it cannot read
-        error = f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
-    error = _first_error(error[:500], zero.units[0].flat.device)  # every rank, before any change
-    if error:
-        raise CheckpointError(error)
-    per_element = {k for n, ks in keys.items() for k in ks
-                   if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
-    scalars = {}  # Adam's step count: a tensor of shape [] per parameter
-    for n, ks in keys.items():
-        if f"model.{n}" in loaded and ks:
-            scalars[n] = {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
-
-    def read(name, lo, hi, key):
-        t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
-        return t.reshape(-1)[lo:hi]
-    load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
-                {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
-    return info
 
 
 # ----------------------------------------------------------------------------------------------
@@ -3237,29 +2000,30 @@ def train(args, build=None, keep_params=False, quiet=False):
     naming the rank, where it was (where: kept up to date by _train) and the stage's formula."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
     ckpt = getattr(args, "ckpt_dir", None)
-    where = {"what": "building the model", "step": None}
+    watch = getattr(args, "max_memory", None) and device.type == "cpu"  # its data size too
+    progress = _memory().Watch() if watch else Progress()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
         model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    with ckpt_dir_lock(ckpt, device) if ckpt else contextlib.nullcontext():
+    with _checkpoints().ckpt_dir_lock(ckpt, device) if ckpt else contextlib.nullcontext():
         try:
-            return _train(args, build, keep_params, quiet, rank, world, device, model, where)
+            return _train(args, build, keep_params, quiet, rank, world, device, model, progress)
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):
                 raise
-            raise OutOfMemory(oom_line(args, rank, world, psi, where)) from None
+            raise OutOfMemory(oom_line(args, rank, world, psi, progress)) from None
 
 
-def _train(args, build, keep_params, quiet, rank, world, device, model, where):
+def _train(args, build, keep_params, quiet, rank, world, device, model, progress):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
     limit = getattr(args, "max_memory", None)  # runtime: what the rank held before the limit
-    runtime = limit_memory(limit, device) if limit else -1
+    runtime = _memory().limit_memory(limit, device) if limit else -1
     if limit and device.type == "cpu":
-        watch_data(where)  # the data size the limit counts, from here (peak_data)
+        progress.start()  # the data size the limit counts, from here (memory.Watch)
     torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
     net, opt, label = (build or zero_build(args))(model, device)
-    track_where(model, where)
+    progress.track(model)
     data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
     log = (lambda *a, **k: None) if quiet else log0
     log(box([("run", label),
@@ -3278,13 +2042,14 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     # global batch from a generator seeded by k. The checkpoint's hyper-parameters are loaded
     # with its state, then --lr is applied: the command line has the last word.
     first, ckpt = 1, getattr(args, "ckpt_dir", None)
-    found = choose_checkpoint(ckpt, device) if ckpt else None
+    found, ck = None, _checkpoints() if ckpt or getattr(args, "resume_from", None) else None
+    if ckpt:
+        found = ck.choose_checkpoint(ckpt, device)
     if not found and getattr(args, "resume_from", None):
-        found = checkpoint_path(args.resume_from)
-    # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
-    load = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))
-    save = getattr(opt, "save_checkpoint", functools.partial(save_checkpoint, opt))
+        found = ck.checkpoint_path(args.resume_from)
     if found:
+        # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
+        load = getattr(opt, "load_checkpoint", functools.partial(ck.load_checkpoint, opt))
         manifest = load(found)
         first = manifest["step"] + 1
         loaded_lr = opt.optimizer.param_groups[0]["lr"]
@@ -3292,7 +2057,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             group["lr"] = args.lr
         log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
             f"by {manifest['world_size']} rank(s)" +
-            (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
+            (" of FSDP2 (DCP)" if manifest["format"] == ck.DCP_FORMAT else "") +
             (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
              not in (0, manifest["world_size"]) else "") +
             (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
@@ -3313,11 +2078,11 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             f"--steps is {args.steps}")
         return None
     for step in range(first, args.steps + 1):
-        where["step"] = step
-        note(where, "the forward")
+        progress.step = step
+        progress.note("the forward")
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
         if step == record:
-            start_timeline(opt)
+            _memory().start_timeline(opt)
         loss_sum = torch.zeros((), device=device)
         counted = counting()  # one per step, entered twice: the check between is not counted
         with counted:
@@ -3329,12 +2094,12 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
                     logits = net(x.to(device)).float()
                     loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
                     loss = loss / args.grad_accum
-                    note(where, "the backward")
+                    progress.note("the backward")
                     loss.backward()
                 loss_sum += loss.detach()
             # The global gradient norm, the same on every rank: clipped to --clip, or with
             # --clip 0 only measured (a scale of exactly 1), for the check below.
-            note(where, "the gradient reductions and norm")
+            progress.note("the gradient reductions and norm")
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
         # Divergence: a non-finite loss or gradient norm is never applied, so never saved. The
         # loss of the global batch (all-reduced: every rank decides the same) and the norm are
@@ -3350,13 +2115,13 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             raise Diverged(f"step {step}: {what}; stopped before this step was applied. Last good "
                            f"checkpoint: {saved} (try a lower --lr, or --skip-nonfinite)")
         if finite:
-            note(where, "the optimizer step")
+            progress.note("the optimizer step")
             with counted:
                 opt.step()
-            timeline = stop_timeline(opt) if step == record else timeline
+            timeline = _memory().stop_timeline(opt) if step == record else timeline
         else:
             skipped += 1
-        note(where, "after the optimizer step")
+        progress.note("after the optimizer step")
         mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state held
         opt.zero_grad()
         if device.type == "cuda":
@@ -3368,6 +2133,7 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + ("" if finite else " | not finite: skipped, the weights are unchanged"))
         if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
+            save = getattr(opt, "save_checkpoint", functools.partial(ck.save_checkpoint, opt))
             save(ckpt, step, extra={"data": data_position(args, world)})
             last_good = os.path.join(ckpt, f"step_{step:08d}")
     if skipped:
@@ -3377,11 +2143,11 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, where):
     kinds = ("params", "grads", "optimizer")
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     # Under --max-memory: the most this rank allocated above its runtime (CPU: the data size at
-    # its peak, peak_data; CUDA: the allocator's own peak)
-    used = peak_data(where) - where["data0"] if "data" in where else cuda_peak
+    # its peak, memory.Watch; CUDA: the allocator's own peak)
+    used = cuda_peak if device.type == "cuda" else progress.used()
     build_peak = getattr(opt, "build_peak", {})
     row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak] + \
-        [build_peak.get(k, -1) for k in kinds] + [runtime, used, per_block(where)]
+        [build_peak.get(k, -1) for k in kinds] + [runtime, used, progress.per_block()]
     ranks = _all_ranks(row, device)
     most = [max(column) for column in zip(*ranks)]
     return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
@@ -3527,54 +2293,6 @@ def memory_size(text):
     return int(size)
 
 
-def _status(field, *more):  # bytes, from this process's /proc/self/status (Linux); with more
-    with open("/proc/self/status") as f:  # fields than one, {field: bytes} read at one moment
-        got = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-               if k in (field, *more)}
-    return got if more else got[field]
-
-
-def limit_memory(size, device):
-    """From now on this rank may allocate `size` bytes beyond what it holds now (its runtime:
-    Python, torch, the process group). CPU: RLIMIT_DATA, the limit Linux puts on a process's
-    data (the heap and its private mappings, where torch's CPU tensors live), set `size` above
-    what the process has; an allocation past it fails and torch raises its out-of-memory error.
-    CUDA: torch.cuda.set_per_process_memory_fraction, the share of the GPU torch's caching
-    allocator may take. Returns the runtime's resident bytes (CPU; 0 on CUDA)."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
-        return 0
-    import ctypes, resource
-    w = torch.zeros(1, requires_grad=True)  # runtime, so before the limit: the first optimizer
-    w.grad = torch.zeros(1)                 # imports ~65 MB of modules, the first parallel
-    torch.optim.AdamW([w]).step()           # kernel starts the threads (their stacks count)
-    torch.ones(256, 256) @ torch.ones(256, 256)
-    # glibc: each allocation of 64 KiB or more gets a mapping of its own, given back when freed
-    # (else the heap keeps freed tensors, and the limit counts them). The price: fresh pages, and
-    # their faults, for every new tensor, so a limited run is slower than an unlimited one. And
-    # one malloc arena for all threads: a thread's new arena maps 64 MB of address space for a
-    # moment, which hides the data size's peak in the address space's (peak_data). The price:
-    # threads that allocate small objects at once wait for each other.
-    try:
-        ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        new = _status("VmData") + size
-        if hard != resource.RLIM_INFINITY:
-            new = min(new, hard)
-        resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM, the peak resident size, starts again from here
-        return _status("VmRSS")
-    except (OSError, ValueError, StopIteration) as e:
-        raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
-            from None
-
-
 class OutOfMemory(Exception):
     """A rank ran out of memory (under --max-memory, or a real one): one line, exit code 4."""
 
@@ -3584,314 +2302,45 @@ def out_of_memory(e):
         m in str(e) for m in ("can't allocate memory", "Cannot allocate memory", "bad_alloc"))
 
 
-def track_where(model, where):
-    """Keep where["what"] saying what this rank is doing, for the line that names where memory
-    ran out: the forward or the backward of which block (hooks on the demo GPT's blocks). Under
-    --max-memory on CPU also where["data"], the largest data size seen at those moments (what
-    RLIMIT_DATA limits; peak_data has the real peak), and where["forward"], the data size as
-    each block's forward starts in the last forward: from one block to the next it grows by
-    what a block keeps for backward (per_block)."""
-    def forward(name, module, args):
-        note(where, f"the forward of {name}")
-        if "data" in where and torch.is_grad_enabled():
-            if name == "blocks.0":  # a new forward
-                where["forward"] = []
-            where["forward"].append(where["now"])
+@dataclasses.dataclass
+class Progress:
+    """What this rank is doing, kept up to date by train() and by hooks on the demo GPT's blocks
+    (track), for the line that names where memory ran out (oom_line): the forward or the backward
+    of which block, in which step. memory.Watch adds the data size at each of these moments."""
+    what: str = "building the model"
+    step: int = None
 
-    def backward_next(name, module, args, output):
-        if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
-            output.register_hook(lambda g: note(where, f"the backward of {name}"))
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(functools.partial(forward, f"blocks.{i}"))
-        block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
+    def note(self, what):
+        self.what = what
 
+    def block_forward(self, name):
+        self.note(f"the forward of {name}")
 
-def note(where, what):
-    where["what"] = what
-    if "data" in where:
-        where["now"] = _status("VmData")
-        where["data"] = max(where["data"], where["now"])
+    def track(self, model):
+        def backward_next(name, module, args, output):
+            if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(lambda g: self.note(f"the backward of {name}"))
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda m, a, name=f"blocks.{i}": self.block_forward(name))
+            block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
 
+    def used(self):  # bytes allocated above the runtime at the most (memory.Watch): unknown
+        return -1
 
-def per_block(where):
-    """Bytes one more block adds to what a rank holds beyond its model state: what the data size
-    grew by from one block's forward to the next in the last forward (activations kept for
-    backward; at stage 3 each sample also holds the block's unit and the one prefetched, the
-    same from block to block), on average. 0 where unknown: not under --max-memory on CPU
-    (on CUDA the search then takes the excess as flat, from the trials that fitted)."""
-    f = where.get("forward", [])
-    return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
+    def per_block(self):  # what one more block adds (memory.Watch): unknown
+        return 0
 
 
-def watch_data(where):  # what peak_data starts from: the data size now, and the address space
-    where["vm"] = _status("VmPeak", "VmSize", "VmData")
-    where["data"] = where["data0"] = where["vm"]["VmData"]
-
-
-def peak_data(where):
-    """The most data (VmData, what RLIMIT_DATA counts) this rank had since the limit was set.
-    Linux keeps no peak of it, but keeps one of the whole address space (VmPeak): data plus
-    what is not (code, mapped files, the space malloc's arenas reserve). Training maps and
-    unmaps data only (limit_memory lets malloc make no new arena), so where what is not
-    data is the same at the end as when the limit was set, the peak of the address space less
-    it is the peak of the data. Sampling alone (note(), at each block's forward and backward)
-    misses the peaks in between: for the demo GPT at stage 3 under 200MB, by 6 MB, two of its
-    blocks; peak_data put a run that fitted at 199.4 MB, and the next block out of memory. Where
-    it cannot be used (the address space did not grow past its peak from before the limit, or
-    what is not data changed), what was sampled."""
-    vm, before = _status("VmPeak", "VmSize", "VmData"), where["vm"]
-    if vm["VmPeak"] > before["VmPeak"] and \
-            vm["VmSize"] - vm["VmData"] == before["VmSize"] - before["VmData"]:
-        return max(where["data"], vm["VmPeak"] - (vm["VmSize"] - vm["VmData"]))
-    return where["data"]
-
-
-def oom_line(args, rank, world, psi, where):
+def oom_line(args, rank, world, psi, progress):
     G = args.shard_size or world
     pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
     need = sum(memory_formula(args.stage, psi, world, pb, gb, ob, shard_size=G).values())
-    step = f"step {where['step']}, " if where.get("step") else ""
+    step = f"step {progress.step}, " if progress.step else ""
     limit = f" (--max-memory {_si(args.max_memory)}B)" if getattr(args, "max_memory", None) \
         else ""
-    return (f"rank {rank}: out of memory in {step}{where['what']}{limit}; stage {args.stage}'s "
+    return (f"rank {rank}: out of memory in {step}{progress.what}{limit}; stage {args.stage}'s "
             f"formula: its model state alone is {_si(need)}B per rank (Ψ = {psi:,}, N = {world}"
             + (f", G = {G})" if G < world else ")"))
-
-
-def largest_model(args):
-    """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
-    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
-    Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
-    that trial only. The search starts where the formula puts the wall and brackets it:
-    wall_guess() says where, from what the trials that fitted measured."""
-    N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
-    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
-        with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
-            free = next(int(line.split()[1]) * 1024 for line in f
-                        if line.startswith("MemAvailable:"))
-        if N * args.max_memory > free:
-            raise UsageError(f"--largest-model: {N} ranks x --max-memory "
-                             f"{_si(args.max_memory)}B is more than this machine's available "
-                             f"memory ({_si(free)}B): the kernel would stop the trials, not the "
-                             "limit")
-    with torch.device("meta"):  # Ψ grows by one block's parameters per block
-        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
-                                               args.n_head).parameters()) for n in (1, 2))
-    psi = lambda layers: one + (layers - 1) * (two - one)  # noqa: E731
-    formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
-        stage, psi(layers), N, pb, gb, ob, args.shard_size if stage else None).values())
-    # Mixed precision: step()'s fp32 copy of the gradients stepped (unit.step_grad), model state
-    # that grows with the model as the formula's does; the search counts it with the formula.
-    step_copy = lambda stage, layers: 4 * psi(layers) / (  # noqa: E731
-        1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
-    walls = []  # each stage's largest trial that fitted: a Fit
-    for stage in range(4):
-        tried, fitted = {}, []
-
-        def fits(layers):
-            if layers not in tried:
-                tried[layers] = res = _trial(args, stage, layers)
-                count[0] += 1
-                print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
-                      (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
-                       else res["error"].split(" (--max-memory")[0]), flush=True)
-                if res["ok"]:
-                    f = formula(stage, layers) + step_copy(stage, layers)
-                    fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
-                                      res["per_block"]))
-            return tried[layers]["ok"]
-        hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
-        while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
-            guess = wall_guess(fitted, walls, lambda n: formula(stage, n) + step_copy(stage, n),
-                               args.max_memory)
-            if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
-                layers, up = lo + 2 ** up, up + 1
-            elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
-                layers, down = hi - 2 ** down, down + 1
-            else:
-                layers, up, down = guess, 0, 0
-            layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
-            lo, hi = (layers, hi) if fits(layers) else (lo, layers)
-            if lo >= MAX_LAYERS:
-                break
-            if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
-                lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
-        rows.append((stage, tried.get(lo), tried.get(hi)))
-        walls += [max(fitted)] if fitted else []
-    print_memory_wall(args, rows)
-    print(f"{count[0]} trials in {time.time() - t0:.0f} s")
-    if not walls:
-        raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
-                          f"within --max-memory {_si(args.max_memory)}B at any stage")
-
-
-@contextlib.contextmanager
-def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
-    def terminated(signum, frame):
-        raise SystemExit(128 + signum)
-    old = signal.signal(signal.SIGTERM, terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-# What a trial that fitted measured, beyond the formula's model state (bytes): at the most, all
-# it held (excess) and the model state alone (transient: buffers the formula does not count),
-# and what one more block adds to the rest (per_block: activations).
-Fit = namedtuple("Fit", "layers excess transient per_block")
-
-
-def wall_guess(fitted, walls, formula, limit):
-    """Where the wall should be: the most blocks whose formula (model state alone) plus the
-    excess (what a rank holds beyond it: transient buffers the formula does not count,
-    activations, the backend's buffers) stays within the limit. The excess:
-    - measured by this stage's largest trial that fitted, plus what a block adds (the per-block
-      growth that trial measured in its forward) for each block more;
-    - before any at this stage, the previous stage's the same way, with this stage's transient
-      buffers guessed to grow from the previous stage's as they grew from the one before; with
-      one stage before it (stage 0, whose model state is the formula's), by half that stage's
-      excess (a run of the README's command: 6.3 MB against 17.5 MB). Where activations are
-      most of the excess, half of it overestimates the growth: the guess falls under the wall,
-      which costs one trial more at most (it fits, and measures this stage's own);
-    - before any trial at all, none, on half the limit: the model whose formula is half the
-      limit, which leaves half of it for the excess, and measures it."""
-    if fitted or walls:
-        last = max(fitted) if fitted else walls[-1]
-        grow = 0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else \
-            max(walls[-1].transient - walls[-2].transient, 0)
-        excess = lambda n: last.excess + grow + last.per_block * (n - last.layers)  # noqa: E731
-    else:
-        excess, limit = (lambda n: 0), limit / 2  # noqa: E731
-    need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
-    lo, hi = 0, MAX_LAYERS + 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-    return max(lo, 1)
-
-
-MAX_LAYERS = 4096  # --largest-model stops doubling here
-
-
-def _trial(args, stage, layers):
-    """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
-    Returns what rank 0 measured, or the first error a rank reported."""
-    import multiprocessing as mp
-    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2",
-            "--d-model", str(args.d_model), "--n-head", str(args.n_head),
-            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-            "--max-memory", str(args.max_memory), "--timeout", str(args.timeout),
-            "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
-        (["--shard-size", str(args.shard_size)] if args.shard_size and stage else []) + \
-        (["--backend", args.backend] if args.backend else []) + \
-        (["--device", args.device] if args.device else [])
-    with torch.device("meta"):
-        psi = sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
-                                         args.n_head).parameters())
-    ctx, port = mp.get_context("spawn"), _free_port()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
-    procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
-             for r, (_, send) in enumerate(pipes)]
-    for p in procs:
-        p.start()
-    try:
-        results = _collect(pipes, procs, time.time() + 120 + 4 * args.timeout)
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    failed = [res for r, res in sorted(results.items()) if not res["ok"]]
-    oom = [res for res in failed if "out of memory" in res["error"]]
-    if not failed and len(results) < args.world_size:
-        failed = [{"ok": False, "error": "no answer before the deadline"}]
-    out = (oom or failed or [results[0]])[0]
-    if failed and not oom:
-        raise UsageError(f"--largest-model: a trial failed for another reason than memory "
-                         f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
-    return {**out, "psi": psi, "layers": layers}
-
-
-def _collect(pipes, procs, deadline):
-    """{rank: its report} from the trial's pipes, until every rank has reported, one has run out
-    of memory (its trial is over: the others only wait for it) or the deadline passes. Several
-    ranks may report at once (wait() returns all that are ready): every one is read."""
-    from multiprocessing.connection import wait
-    results, waiting, over = {}, {recv: r for r, (recv, _) in enumerate(pipes)}, False
-    while waiting and not over and time.time() < deadline:
-        for recv in wait(list(waiting), timeout=1):
-            r = waiting.pop(recv)
-            try:
-                results[r] = recv.recv()
-            except EOFError:
-                results[r] = {"ok": False, "error": f"rank {r} died (exit code "
-                                                    f"{procs[r].exitcode})"}
-            over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
-    return results
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _trial_rank(rank, world, port, argv, send):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
-    os.dup2(devnull, 2)
-    try:
-        args = check_args(training_parser("").parse_args(argv))
-        res = train(args, quiet=True)
-        send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
-                   "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
-    except OutOfMemory as e:
-        send.send({"ok": False, "error": str(e)})
-    except BaseException as e:  # anything else: the trial's one line
-        text = str(e).strip().splitlines()
-        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: "
-                                         f"{text[0][:200] if text else ''}"})
-    os._exit(0)
-
-
-def print_memory_wall(args, rows):
-    N = args.world_size
-    G = args.shard_size or N
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
-    formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
-    print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
-          f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
-          + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
-          f"{args.n_head} heads, {args.batch_size} row(s) x {args.seq_len} bytes per rank, "
-          + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
-    print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
-          f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
-    best = {}
-    for stage, ok, no in rows:
-        left = (f"{ok['layers']:>6} {ok['psi']:>12,} {_si(formula(stage, ok['psi'])):>8}B "
-                f"{_si(ok['state']):>8}B {_si(ok['rest']):>7}B") if ok and ok["ok"] else \
-            f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
-        right = (f"{no['layers']:>6} {no['psi']:>12,} {_si(formula(stage, no['psi'])):>8}B"
-                 if no and not no["ok"] else f"{'-':>6}")
-        print(f"{stage:<6}{left} | {right}")
-        if ok and ok["ok"]:
-            best[stage] = ok
-    runtime = [b["runtime"] for b in best.values() if b["runtime"]]
-    print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
-          "measured: the most model state a rank held (zero.py's own count); rest: the most a "
-          "rank\nallocated above its runtime (CPU: the peak data size, from Linux's peak address "
-          "space),\nless that model state: activations, the backend's buffers, temporaries, "
-          "Python's objects." + (f"\nRuntime (Python, torch, the backend), not counted in "
-                                 f"--max-memory: {_si(max(runtime))}B per rank" if runtime else ""))
-    if 0 in best and 3 in best:
-        print(f"stage 3 trains {best[3]['psi'] / best[0]['psi']:.1f}x the parameters of stage 0 "
-              "on the same ranks")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -4042,7 +2491,7 @@ def main(argv=None):
                         "(default: none)")
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
-        check_timeline_args(args)
+        _memory().check_timeline_args(args)
         args.record_step = args.steps
     if args.ckpt_every and not args.ckpt_dir:
         raise UsageError("--ckpt-every needs --ckpt-dir")
@@ -4072,38 +2521,18 @@ def main(argv=None):
         estimate(args.params, args.world_size, args.shard_size,
                  [args.stage] if stage_given else range(4))
     elif args.consolidate:
-        if not args.out:
-            raise UsageError("--consolidate needs --out FILE")
-        where = os.path.dirname(args.out) or "."
-        if os.path.isdir(args.out) or not os.path.isdir(where):
-            raise UsageError(f"--out {args.out}: " + ("is a directory" if os.path.isdir(args.out)
-                                                      else f"no directory {where}"))
-        if not os.path.isdir(args.consolidate):
-            raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
-                args.consolidate) else "no such directory") + ": --consolidate takes a "
-                "checkpoint directory (or a --ckpt-dir, its newest)")
-        found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
-        path = args.consolidate if found else latest_checkpoint(args.consolidate)
-        if path is None or is_dcp(path):
-            raise CheckpointError(f"{args.consolidate}: no complete checkpoint of zero.py's (no "
-                                  "manifest.json)" + (": DCP's is read by dcp_to_torch_save"
-                                                      if path else ""))
-        m = consolidate(path, args.out)
-        base = args.out[:-3] if args.out.endswith(".pt") else args.out
-        print(f"wrote {args.out}, {base}.safetensors and {base}.dcp: {len(m['keys'])} tensors, "
-              f"Ψ = {m['psi']:,}, step {m['step']} (written at stage {m['stage']} by "
-              f"{m['world_size']} rank(s), fp32 master weights)")
+        _checkpoints().consolidate_command(args)
     elif args.largest_model:
-        with exit_on_sigterm():  # _trial's finally kills the trial's ranks on the way out
-            largest_model(args)
+        with _memory().exit_on_sigterm():  # _trial's finally kills the trial's ranks
+            _memory().largest_model(args)
     elif args.timeline_all:
-        train_every_stage(args)
+        _memory().train_every_stage(args)
     else:
         res = train(args)
         if res is not None:
             report(res, args)
             if args.timeline:
-                show_timeline([timeline_panel(res, args)], args.timeline)
+                _memory().show_timeline([_memory().timeline_panel(res, args)], args.timeline)
 
 
 def _flag_given(parser, flag, argv):
@@ -4165,6 +2594,18 @@ def run(main, argv=None):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _checkpoints():
+    """checkpoints.py, a file of its own: imported where a checkpoint is first needed."""
+    import checkpoints
+    return checkpoints
+
+
+def _memory():
+    """memory.py, a file of its own: imported at the flags that need it."""
+    import memory
+    return memory
 
 
 def say(line):

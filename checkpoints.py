@@ -1,0 +1,1078 @@
+"""
+checkpoints.py: sharded checkpoints for zero.py's stages, readable at any stage and world size.
+
+    torchrun --nproc_per_node=4 zero.py --ckpt-dir ckpt --ckpt-every 10   # write, and resume
+    torchrun --nproc_per_node=2 zero.py --stage 3 --resume-from ckpt      # another N and stage
+    python zero.py --consolidate ckpt --out model.safetensors             # one file for the model
+
+What it is: the content of a checkpoint (each rank's part, in the model's coordinates, and how a
+part is cut back into what a rank of another job owns), the files (written atomically, one job
+per directory, rotated, checked against a manifest of sizes and hashes before anything is
+loaded), consolidation into one plain state_dict, and interoperation with PyTorch's own
+torch.distributed.checkpoint (DCP), which fsdp_demo.py's FSDP2 runs write and read.
+
+What it uses of zero.py: the Unit layout (unit.flat, offset, stepped, master, pieces),
+zero.layout() (the names and shapes each unit holds), zero.replicated(), zero.all_gather,
+zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpoint is first
+needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate.
+"""
+import contextlib, hashlib, itertools, json, os, shutil, sys, warnings
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from zero import UsageError, _all_ranks, _digest, _wide, all_gather, layout, replicated, \
+    split_pieces
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints. A checkpoint must outlive its job's shape: it is written by N ranks at one stage
+# and may be read by M ranks at another. So what a rank writes is stated in the coordinates of
+# the model, not of the sharding: its 1/N of each unit's elements (stage 0 too: every rank holds
+# everything, each writes 1/N of it), fp32 master values and each per-element optimizer state
+# (Adam's m and v), plus the names and shapes of the parameters in each unit's flat order
+# (layout()). Reading cuts what a rank owns now out of the parts that hold it, parameter by
+# parameter, by name. The files: save_checkpoint() below.
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def part_index(rank, world, G):
+    """The part of a checkpoint rank `rank` writes: rank itself, unless G < N, where the N/G
+    ranks holding one shard each write one Nth of it (units are padded to a multiple of N)."""
+    return rank % G * (world // G) + rank // G
+
+
+
+def checkpoint_part(zero):
+    """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
+    unit's fp32 master weights and per-element optimizer state, the optimizer scalars (Adam's
+    step count) of each parameter it steps, and hyper-parameters, the layout; rank 0 also the
+    frozen parameters and buffers."""
+    units, q = [], part_index(zero.rank, zero.world, zero.N)
+    names = {p: n for n, p in zero.model.named_parameters()}
+    state = {piece: zero.optimizer.state.get(piece, {}) for u in zero.units for piece in u.pieces}
+    per_element = lambda v, piece: torch.is_tensor(v) and v.shape == piece.shape  # noqa: E731
+    keys = list(dict.fromkeys(k for piece, st in state.items() for k, v in st.items()
+                              if per_element(v, piece)))  # Adam's m and v
+    # Scalars per parameter, by name: one that got no gradient in some steps was stepped fewer
+    # times (Adam's step count, which its bias correction reads). A parameter absent: the
+    # optimizer holds no state for it yet (never stepped), and its per-element state is zeros.
+    scalars = {}
+    for u in zero.units:
+        for piece, owners in zip(u.pieces, u.owners):
+            for p in owners if state[piece] else ():  # a copy: a later step must not change it
+                scalars[names[p]] = {k: v.clone() if torch.is_tensor(v) else v
+                                     for k, v in state[piece].items() if not per_element(v, piece)}
+    for u in zero.units:
+        S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
+        lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
+        # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
+
+        def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
+            starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
+            pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
+            return _wide(torch.cat([u.master[:0]] + [t.detach() for t in pieces if t.numel()]))
+        units.append({"master": mine(u.pieces), "state": {
+            k: mine([state[piece].get(k, torch.zeros_like(piece)) for piece in u.pieces])
+            for k in keys}})
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
+    return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
+            "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
+            "replicated": {n: t.detach().clone() for n, t in replicated(zero.model)}
+            if zero.rank == 0 else {}}
+
+
+def load_own_part(zero, state):
+    """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
+    Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
+    0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
+    q = part_index(zero.rank, zero.world, zero.N)
+    if not isinstance(state, dict) or state.get("rank") != q or \
+            state.get("layout") != layout(zero):
+        raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of this "
+                              "model at this stage and world size; for any other, use "
+                              "save_checkpoint() and load_checkpoint()")
+    parts = [state if r == q else None for r in range(zero.world)]
+    if zero.stage == 0 and zero.world > 1:
+        parts = _gather_parts(zero, state, None, range(zero.world))
+    elif zero.replica_group is not None:  # the other parts of this shard: its replicas wrote them
+        parts = _gather_parts(zero, state, zero.replica_group, range(zero.rank % zero.N,
+                                                                     zero.world, zero.N))
+    load_parts(zero, parts, state["layout"])
+    for _, t in replicated(zero.model):  # only rank 0's part holds them
+        dist.broadcast(t.data, src=0)
+
+
+def _gather_parts(zero, state, group, ranks):
+    """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
+    each one's own; None for the others."""
+    parts = [None] * zero.world
+    for r in ranks:
+        parts[part_index(r, zero.world, zero.N)] = dict(state, units=[], replicated=None,
+                                                        rank=part_index(r, zero.world, zero.N))
+    if parts[0] is not None:
+        parts[0]["replicated"] = state["replicated"] if state["rank"] == 0 else None
+    device = zero.units[0].flat.device
+    for unit in state["units"]:
+        gathered = {}
+        for key, t in [("master", unit["master"]), *unit["state"].items()]:
+            full = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
+            all_gather(full, t.to(device), group=group)
+            gathered[key] = full.cpu().view(len(ranks), -1)
+        for j, r in enumerate(ranks):
+            parts[part_index(r, zero.world, zero.N)]["units"].append({
+                "master": gathered["master"][j],
+                "state": {k: v[j] for k, v in gathered.items() if k != "master"}})
+    return parts
+
+
+def load_parts(zero, parts, written):
+    """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
+    all its ranks, in rank order (None for a part this rank does not need), `layout` the
+    writer's layout(). Exact: each element's values are copied, not recomputed."""
+    where, S = {}, []  # parameter name -> (writer's unit, offset in its flat); writer's shard sizes
+    for i, params in enumerate(written["units"]):
+        o = 0
+        for name, shape in params:
+            where[name], o = (i, o), o + _numel(shape)
+        S.append(-(-o // len(parts)))
+
+    def read(name, lo, hi, key):  # elements [lo, hi) of a parameter, from the parts that hold them
+        i, o = where[name]
+        return _elements(parts, S[i], i, o + lo, o + hi, key)
+
+    first = next(p for p in parts if p is not None)
+    keys = list(dict.fromkeys(k for part in parts if part is not None
+                              for unit in part["units"] for k in unit["state"]))
+    scalars = {}  # parameter name -> its optimizer scalars; absent: no state, never stepped
+    for part in parts:
+        scalars.update(_param_scalars(part, written) if part is not None else {})
+    load_values(zero, read, keys, scalars, first["hyper"],
+                parts[0]["replicated"] if parts[0] is not None else None)
+
+
+def _elements(parts, S, i, lo, hi, key):
+    """Elements [lo, hi) of unit i's flat `key` (master or an optimizer state), which the writer
+    cut into parts of S elements: a view where one part holds them all, else a copy."""
+    out = []
+    while lo < hi:
+        q = lo // S  # the rank that wrote element lo
+        end = min(hi, (q + 1) * S)
+        unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
+        t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
+        out.append(t[lo - q * S:end - q * S])
+        lo = end
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def load_values(zero, read, keys, scalars, hyper, frozen):
+    """Load what read(name, lo, hi, key) gives, elements [lo, hi) of a parameter (by name,
+    flattened) of its master weights (key "master") or of each per-element optimizer state in
+    `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
+    parameter the optimizer has state for; `hyper` the param_groups without their params;
+    `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
+    keys = ["master", *keys]
+    names = {p: n for n, p in zero.model.named_parameters()}
+    state = {}
+    with torch.no_grad():
+        for u in zero.units:
+            lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
+            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
+                      for k in keys}  # padding 0
+            for p in u.params:
+                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
+                if a < b:  # p has elements in this rank's range: fetch them by p's name
+                    for k, t in values.items():
+                        t[a - lo:b - lo] = read(names[p], a - u.offset[p], b - u.offset[p], k)
+            u.master.copy_(values.pop("master"))
+            u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+            if any(len({_digest(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
+                split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
+            sizes = [piece.numel() for piece in u.pieces]
+            chunks = (t.split(sizes) for t in values.values())
+            for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
+                p = owners[0]  # (the parameters of a piece have the same scalars)
+                if names[p] in scalars:  # the optimizer has state for p (it was stepped)
+                    state[piece] = {**dict(zip(values, chunk)),
+                                    **{k: v.clone() if torch.is_tensor(v) else v
+                                       for k, v in scalars[names[p]].items()}}
+        if frozen is not None:
+            for n, t in replicated(zero.model):
+                t.copy_(frozen[n])
+    index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
+    groups = [{**h, "params": g["params"]}
+              for h, g in zip(hyper, zero.optimizer.state_dict()["param_groups"])]
+    zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
+                                    "param_groups": groups})
+    zero.zero_grad()
+    zero._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
+
+
+def _param_scalars(part, written):
+    """{parameter name: optimizer scalars} of a part. Parts written before parameters could
+    skip steps hold one set of scalars, which every parameter had (if the optimizer had state)."""
+    if "param_scalars" in part:
+        return part["param_scalars"]
+    stateful = part["scalars"] or any(unit["state"] for unit in part["units"])
+    return {n: part["scalars"] for unit in written["units"] for n, _ in unit} if stateful else {}
+
+
+def check_checkpoint(zero, parts, written):
+    """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
+    checked by read_checkpoint) fits this model and optimizer."""
+    mine = layout(zero)
+    want = {n: s for unit in mine["units"] for n, s in unit}
+    got = {n: s for unit in written["units"] for n, s in unit}
+    for kind, a, b in [("parameter", want, got),
+                       ("frozen parameter or buffer", mine["replicated"], written["replicated"])]:
+        another_model(a, b, kind)
+    # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
+    # _part_problem); what is left is that every part holds the same optimizer states (or none:
+    # a rank whose parameters never got a gradient has no state to write).
+    keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
+    for r, part in enumerate(parts):
+        if not all(isinstance(s, dict) for s in _param_scalars(part, written).values()):
+            raise CheckpointError(f"checkpoint part of rank {r}: its optimizer scalars are not "
+                                  "a dictionary per parameter")
+        for i, unit in enumerate(part["units"]):
+            if set(unit["state"]) not in (keys, set()):
+                raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
+                                      f"{sorted(unit['state'])}, other parts have "
+                                      f"{sorted(keys)}")
+    if parts[0].get("optimizer") != type(zero.optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
+                              f", this run has {type(zero.optimizer).__name__}")
+
+
+def another_model(here, there, kind="tensor"):
+    """Raise CheckpointError naming the first name whose shape differs between `here` and
+    `there` ({name: shape as a list}), or that only one of them has."""
+    for n in list(here) + list(there):
+        if here.get(n) != there.get(n):
+            raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
+                                  f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
+
+
+def full_state_dict(zero):
+    """{name: full float32 tensor (float64 for a float64 parameter)} for every parameter (tied
+    ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
+    full = {}
+    for unit in zero.units:  # one unit at a time: stage 3 never holds the whole model at once
+        if zero.stage == 0:
+            flat = _wide(unit.master)  # [N*S]: every rank steps the whole unit
+        elif zero.stage < 3 and not zero.mixed_precision:
+            flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
+        else:  # the masters are sharded: gather them
+            flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
+            all_gather(flat, unit.master, group=zero.shard_group)  # [N*S] <- every rank's [S]
+            zero.meter.sent("all_gather", flat)
+            flat = _wide(flat)
+        full.update({p: unit.view(flat, p).clone() for p in unit.params})
+    return {n: full[p] if p in full else _wide(p.detach()).clone()
+            for n, p in zero.model.named_parameters()}
+
+
+def load_full_state_dict(zero, state):
+    """opt.load_full_state_dict(state): load a plain state_dict, e.g. pretrained weights as
+    torch.load(path, mmap=True, weights_only=True) gives them, into a wrapped model. Each rank
+    copies only the elements of its own shard of each unit (and the frozen parameters and
+    buffers, which every rank holds whole), so of a memory-mapped file it reads only those
+    pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
+    (floating or not) must fit the model; a tied parameter needs one of its names."""
+    want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
+    source = {}
+    for key, t in want.items():
+        if key in state and t not in source:
+            source[t] = (key, state[key])
+    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in source),
+                   next((f"{key!r} is not in the model" for key in state if key not in want),
+                        None))
+    for t, (key, s) in source.items():
+        if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
+                                s.is_floating_point() != t.dtype.is_floating_point):
+            problem = (f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} "
+                       f"{t.dtype} here" if torch.is_tensor(s) else f"{key!r} is not a tensor")
+    if problem:
+        raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
+                         f"{problem}")
+    with torch.no_grad():
+        for u in zero.units:
+            lo, S = u.my_slice.start, u.my_slice.stop - u.my_slice.start
+            mine = torch.zeros(S, dtype=u.master.dtype, device=zero.device)  # padding 0
+            for p in u.params:
+                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
+                if a < b:  # p has elements in this rank's shard: read just those
+                    flat = source[p][1].reshape(-1)  # a view of the (mapped) file's tensor
+                    mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
+            if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
+                u.master.copy_(mine)
+            else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
+                all_gather(u.master, mine, group=zero.shard_group)
+                zero.meter.sent("all_gather", u.master, u)
+            u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+        for _, t in replicated(zero.model):
+            if t in source:
+                t.copy_(source[t][1])
+    zero._gather_params()  # stages 1 and 2: the full parameters from every rank's shard
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint files: sharded, atomic, and readable at any stage and world size
+#
+#   DIR/step_00000010/rank_00000.pt ... rank_00003.pt   each rank's state_dict(), in parallel
+#   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and
+#                                                       shapes, every file's size and sha256
+#
+# A checkpoint is complete when its manifest exists. Every file is written under a temporary
+# name, fsync'ed and renamed (a rename is atomic), and the manifest only after every rank's file
+# is on disk, so a job killed in the middle of a save leaves the previous checkpoint as it was
+# and an incomplete directory that loading skips. The newest `keep` complete ones are kept, and
+# always the one just written. Only the names save_checkpoint writes (step_ and the step in 8 or
+# more digits) are checkpoints: anything else in DIR is never read, nor deleted.
+#
+# One job per DIR (ckpt_dir_lock): two jobs in one directory delete each other's checkpoints.
+# The manifest is data, not instructions: a reader opens only the files a writer of its
+# world_size would have written (rank_<r>.pt, r < N), only if they are regular files, and checks
+# that each one holds the part of its own rank.
+
+FORMAT = "zero.py sharded checkpoint, version 1"
+
+
+def _atomic_write(path, write):
+    """write(f) into a temporary file, then rename it to path. If the writing or the rename
+    fails, the temporary file is removed and path is as it was."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path))  # and so is the rename
+
+
+def _exchange(a, b):
+    """Swap the names of directories a and b in one step: Linux's renameat2(RENAME_EXCHANGE),
+    so that b is at every moment either the old directory or the new one, whole. Where the
+    system has no such call: two renames, between which b is briefly missing (its old contents
+    whole at a)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):
+        AT_FDCWD, RENAME_EXCHANGE = -100, 2
+        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b),
+                          RENAME_EXCHANGE) == 0:
+            return _fsync_dir(os.path.dirname(b))
+        if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
+    os.rename(b, a + ".old")
+    os.rename(a, b)
+    os.rename(a + ".old", a)
+    _fsync_dir(os.path.dirname(b))
+
+
+def _is_temporary(name):
+    """A name _atomic_write gives its temporary files: NAME.tmp<pid>."""
+    stem, _, pid = name.rpartition(".tmp")
+    return bool(stem) and pid.isascii() and pid.isdigit()
+
+
+def _fsync_dir(path):
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _json_lines(d):  # a key a line
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()) + "\n}\n"
+
+
+def _step_of(name):
+    """The step of a checkpoint directory's name, step_00000010 -> 10; None for any other name
+    (step_00000010.bak, step_, step_10, a file's name...)."""
+    digits = name[5:]
+    if name.startswith("step_") and digits.isascii() and digits.isdigit():
+        if name == f"step_{int(digits):08d}":
+            return int(digits)
+    return None
+
+
+def _steps(root):
+    """{step: directory} of the complete checkpoints under root."""
+    try:
+        names = os.listdir(root) if os.path.isdir(root) else []
+    except OSError as e:
+        raise CheckpointError(f"{root}: cannot be listed ({e.strerror})") from None
+    found = {}
+    for name in names:
+        step = _step_of(name)
+        if step is not None and any(os.path.exists(os.path.join(root, name, marker))
+                                    for marker in ("manifest.json", DCP_MARKER)):
+            found[step] = os.path.join(root, name)
+    return found
+
+
+def latest_checkpoint(root):
+    """The newest complete checkpoint directory under root, or None."""
+    found = _steps(root)
+    return found[max(found)] if found else None
+
+
+def choose_checkpoint(root, device):
+    """latest_checkpoint(root) as rank 0 sees it, on every rank (a collective). Each rank listing
+    root on its own could resume two ranks from two checkpoints, when one completes between their
+    listings."""
+    mine, error = -1, None
+    if dist.get_rank() == 0:
+        try:
+            mine = max(_steps(root), default=-1)
+        except CheckpointError as e:
+            mine, error = -2, e
+    choice = torch.tensor([mine], dtype=torch.int64, device=device)
+    dist.broadcast(choice, src=0)
+    step = choice.item()
+    if step == -2:
+        raise error or CheckpointError(f"{root}: rank 0 cannot list it")
+    return None if step < 0 else os.path.join(root, f"step_{step:08d}")
+
+
+def _first_error(error, device):
+    """Every rank's error message ("": none) to every rank, in one small all-gather, and the first
+    of them, or "". What lets all ranks raise together: none is left waiting in a collective."""
+    text = error.encode()[:512]
+    rows = _all_ranks(list(text.ljust(512, b"\0")), device, dtype=torch.uint8)
+    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
+    return next((e for e in errors if e), "")
+
+
+def _lock_holder(fd):
+    """' (process PID)' if /proc/locks names the process that holds a flock on fd's file."""
+    st = os.fstat(fd)
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError, IndexError):
+        with open("/proc/locks") as f:  # 1: FLOCK  ADVISORY  WRITE 5833 fe:00:2146937 0 EOF
+            for fields in map(str.split, f):
+                if fields[1] == "FLOCK" and fields[5] == file:
+                    return f" (process {fields[4]})"
+    return ""
+
+
+@contextlib.contextmanager
+def ckpt_dir_lock(root, device):
+    """Make `root` (created if missing) this job's checkpoint directory while in this block; every
+    rank enters it (a collective). A directory that is a file or not writable, or in use by
+    another job, is a UsageError on every rank, before any training.
+
+    One job per directory: rank 0 holds an exclusive flock on the directory itself (no lock file
+    to leave behind). The kernel drops it when the process ends, however it ends, so a job that
+    died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
+    the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
+    import fcntl
+    fd, error = None, ""
+    try:
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise UsageError(f"checkpoint directory {root}: exists and is not a directory")
+        os.makedirs(root, exist_ok=True)
+        if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+            raise UsageError(f"checkpoint directory {root}: not writable")
+        if dist.get_rank() == 0:
+            fd = os.open(root, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"checkpoint directory {root}: in use by another job"
+                                 f"{_lock_holder(fd)}; one job per directory") from None
+            except OSError as e:
+                print(f"warning: checkpoint directory {root} cannot be locked ({e.strerror}): "
+                      "make sure that no other job uses it", file=sys.stderr, flush=True)
+    except UsageError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"checkpoint directory {root}: {e.strerror or e}"
+    error = _first_error(error, device)
+    try:
+        if error:
+            raise UsageError(error)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with the last descriptor of its open file
+
+
+def _remove_quietly(path):
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _rotate(root, step, keep):
+    """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
+    complete ones, but never the one just written (`step`, even if older), the temporary
+    files that saves killed midway left in the checkpoints kept, and the STEP.partial
+    directories of DCP saves killed midway (save_dcp: this one's is renamed by now)."""
+    found = sorted(_steps(root))
+    if not found:
+        return
+    kept = set(found[-keep:]) | {step}
+    for name in os.listdir(root):
+        s = _step_of(name)
+        partial = name.endswith(".partial") and _step_of(name[:-len(".partial")]) is not None
+        if partial or s is not None and s < min(found[-keep:]) and s not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for s in kept:
+        path = os.path.join(root, f"step_{s:08d}")
+        for name in filter(_is_temporary, os.listdir(path)):
+            _remove_quietly(os.path.join(path, name))
+
+
+def save_checkpoint(opt, root, step, extra=None, keep=2):
+    """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
+    rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
+    is removed, and the checkpoints written before are as they were."""
+    final = path = os.path.join(root, f"step_{step:08d}")
+    device = opt.units[0].flat.device
+    # Overwriting a complete checkpoint of the same step: the new one is written whole beside it
+    # and then takes its name in one rename (_exchange), so that the old one stays whole until
+    # the new one is complete. (Every rank sees the same: no manifest is written before the
+    # all-gather below. Rank 0 clears what a killed overwrite may have left, then a barrier.)
+    if os.path.exists(os.path.join(final, "manifest.json")):
+        path = final + ".tmp0"  # (a temporary name: _is_temporary, never a step: _step_of)
+        if opt.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _first_error("", device)
+    q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
+    name = os.path.join(path, f"rank_{q:05d}.pt")
+    manifest_path = os.path.join(path, "manifest.json")
+
+    def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
+        if error:
+            _remove_quietly(name)  # (a manifest that failed is never renamed into place)
+            if opt.rank == 0:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # if nothing else is left in it
+            raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written "
+                                  "before it are intact")
+
+    size, digest, error = 0, bytes(32), ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
+        _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
+        size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
+    except (OSError, RuntimeError) as e:  # torch.save reports some failed writes as RuntimeError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        error = f"rank {opt.rank}: {getattr(e, 'filename', None) or name}: {reason}"
+    failed(_first_error(error, device))
+    # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
+    # also the barrier that makes every rank's file durable before the manifest is written.
+    rows = _all_ranks([size, *digest], device)
+    error = ""
+    if opt.rank == 0:
+        files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
+                 for r, row in enumerate(rows)}
+        aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
+        keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
+                if p.requires_grad}
+        manifest = {"format": FORMAT, "step": step, **layout(opt),
+                    "optimizer": type(opt.optimizer).__name__,
+                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
+                    "files": files,
+                    "extra": extra or {}}
+        try:
+            _atomic_write(manifest_path, lambda f: f.write(_json_lines(manifest).encode()))
+            if path != final:  # complete: it takes the old one's name, the old one goes
+                _exchange(path, final)
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError as e:
+            error = f"rank 0: {manifest_path}: {e.strerror or e}"
+        else:
+            with contextlib.suppress(OSError, CheckpointError):
+                _rotate(root, step, keep)
+    # nobody goes on (or dies) believing a save is complete before it is
+    failed(_first_error(error, device))
+
+
+def _count(x, least=0):
+    return type(x) is int and x >= least  # an int, and not a bool
+
+
+def _is_shape(x):
+    return isinstance(x, list) and all(map(_count, x))
+
+
+def _manifest_problem(m):
+    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
+    if not _count(m.get("step")):
+        return f"'step' is {m.get('step')!r}, not a step number"
+    if not (_count(m.get("stage")) and m["stage"] < 4):
+        return f"'stage' is {m.get('stage')!r}, not 0, 1, 2 or 3"
+    n = m.get("world_size")
+    if not _count(n, 1):
+        return f"'world_size' is {n!r}, not a number of ranks"
+    units, replicated = m.get("units"), m.get("replicated")
+    if not (isinstance(units, list) and all(isinstance(u, list) for u in units) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _is_shape(p[1])
+            for u in units for p in u)):
+        return "'units' is not a list, per unit, of [name, shape] (a shape: a list of ints >= 0)"
+    if not (isinstance(replicated, dict) and all(map(_is_shape, replicated.values()))):
+        return "'replicated' is not a dictionary {name: shape}"
+    psi = sum(_numel(s) for u in units for _, s in u)
+    if m.get("psi") != psi:
+        return f"'psi' is {m.get('psi')!r}, its units hold {psi} elements"
+    names = {name for u in units for name, _ in u} | set(replicated)
+    keys = m.get("keys")
+    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) == 2 and
+                                           all(isinstance(x, str) for x in k) and k[1] in names
+                                           for k in keys)):
+        return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
+    files = m.get("files")
+    if not isinstance(files, dict) or not files:
+        return "'files' is missing or empty"
+    want = {f"rank_{r:05d}.pt" for r in range(n)} if len(files) == n else set()
+    if set(files) != want:
+        named = ", ".join(map(repr, sorted(files)))
+        return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
+                f"not {named[:200]}")
+    for file, entry in files.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and _count(entry[0]) and
+                isinstance(entry[1], str) and len(entry[1]) == 64 and
+                set(entry[1]) <= set("0123456789abcdef")):
+            return f"'files' entry {file}: not [size, sha256 in hex]"
+    if not isinstance(m.get("extra"), dict):
+        return "'extra' is missing or not a dictionary"
+    return None
+
+
+def _part_problem(part, r, manifest):
+    """What is wrong with the part of rank r (its own rank field, its units' sizes), or None."""
+    if not isinstance(part, dict):
+        return "not a checkpoint part"
+    if part.get("rank") != r:
+        return (f"holds the part of rank {part.get('rank')!r}, not of rank {r} "
+                "(files swapped or renamed?)")
+    units = part.get("units")
+    if not isinstance(units, list) or len(units) != len(manifest["units"]):
+        return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
+    for i, (unit, params) in enumerate(zip(units, manifest["units"])):
+        size = -(-sum(_numel(s) for _, s in params) // manifest["world_size"])
+        state = unit.get("state") if isinstance(unit, dict) else None
+        tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
+        if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
+            return f"unit {i}: not {size} elements of master weights and of each optimizer state"
+    replicated = part.get("replicated")
+    if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
+        return "'replicated' is not a dictionary of tensors"
+    if r == 0 and {n: list(t.shape) for n, t in replicated.items()} != manifest["replicated"]:
+        return "its frozen parameters and buffers are not the ones the manifest lists"
+    return None
+
+
+def _regular_size(file, missing):
+    """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
+    import stat
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: {missing}") from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{file}: not a regular file")
+    return st.st_size
+
+
+def read_checkpoint(path, verify=None):
+    """The manifest and every rank's part of the checkpoint in directory `path`, each part
+    checked against the manifest's size (and sha256, for the ranks in `verify`; None: all) and
+    read with torch.load(weights_only=True): a file cannot run code. mmap: a part's bytes are
+    read from disk only where they are used. No process group needed. Anything wrong, in the
+    manifest or in a part, is a CheckpointError that says what."""
+    if path is None:
+        raise CheckpointError("no checkpoint path was given (None: latest_checkpoint() returns "
+                              "None where there is no complete checkpoint)")
+    manifest_path = os.path.join(path, "manifest.json")
+    _regular_size(manifest_path, "missing: no manifest.json, not a complete checkpoint")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{manifest_path}: unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: not a {FORMAT!r} manifest")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{manifest_path}: {problem}")
+    n, parts = manifest["world_size"], []
+    for r in range(n):
+        file = os.path.join(path, f"rank_{r:05d}.pt")
+        size, digest = manifest["files"][os.path.basename(file)]
+        found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
+        if found != size:
+            raise CheckpointError(f"{file}: {found} bytes, the manifest says {size}: "
+                                  "truncated or overwritten")
+        try:
+            if (verify is None or r in verify) and _sha256(file) != digest:
+                raise CheckpointError(f"{file}: its sha256 differs from the manifest's: "
+                                      "the file is corrupt")
+            part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise CheckpointError(f"{file}: {e.strerror or e}") from None
+        except Exception as e:  # weights_only refuses anything but plain tensors and containers
+            raise CheckpointError(f"{file}: cannot be read ({str(e).splitlines()[0]})") from None
+        problem = _part_problem(part, r, manifest)
+        if problem:
+            raise CheckpointError(f"{file}: {problem}")
+        parts.append(part)
+    return manifest, parts
+
+
+def load_checkpoint(opt, path):
+    """Load the checkpoint in directory `path` into opt, whatever stage and world size wrote it,
+    and return its manifest (step, extra). Every rank calls this; if any rank finds a problem,
+    every rank raises CheckpointError and nothing has changed. Each rank checks the hashes of
+    1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N
+    times. The optimizer's hyper-parameters (lr...) are the checkpoint's. A DCP checkpoint
+    (fsdp_demo.py's, of FSDP2): load_dcp."""
+    if path is not None and is_dcp(path):
+        return load_dcp(opt, path)
+    error = ""
+    try:
+        manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
+        check_checkpoint(opt, parts, manifest)
+    except CheckpointError as e:
+        error = str(e)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # other contents
+        error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"
+    # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
+    # up to 512 bytes of it, goes to every rank, and all raise the first one.
+    error = _first_error(error[:500], opt.units[0].flat.device)
+    if error:
+        raise CheckpointError(error)
+    load_parts(opt, parts, manifest)
+    return manifest
+
+
+def checkpoint_tensors(manifest, parts, key="master"):
+    """(name, tensor in its shape) of each parameter of a checkpoint (read_checkpoint), one at a
+    time, of the master weights or of the optimizer state `key`: a view of a memory-mapped part,
+    or a copy where two parts hold it. What consolidate() and fsdp_demo.py stream."""
+    for i, params in enumerate(manifest["units"]):
+        S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
+        for name, shape in params:
+            yield name, _elements(parts, S, i, o, o + _numel(shape), key).view(shape)
+            o += _numel(shape)
+
+
+def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's exp_avg, exp_avg_sq
+    return list(dict.fromkeys(k for part in parts for unit in part["units"] for k in unit["state"]))
+
+
+def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
+    return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
+
+
+def consolidate(path, out):
+    """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor} for
+    every key of the model's own state_dict(), in three formats: `out`, a torch.save file (what
+    model.load_state_dict() and --init-from take); OUT.safetensors (OUT: `out` without .pt),
+    what Hugging Face and inference engines load; OUT.dcp, a DCP directory (dcp.load, FSDP2's,
+    and dcp_to_torch_save read it). One process, no process group, any stage and world size.
+    Streamed, one tensor at a time: each is cut from the memory-mapped parts into the
+    .safetensors file, and the other two are written from that file, memory-mapped too: no
+    moment holds the whole model in memory. A checkpoint that is not right is a
+    CheckpointError, an output that cannot be written a UsageError; neither leaves a file."""
+    import mmap
+    import torch.distributed.checkpoint as dcp
+    manifest, parts = read_checkpoint(path)
+    base = out[:-3] if out.endswith(".pt") else out
+    outputs = [out, base + ".safetensors", base + ".dcp"]
+    try:
+        frozen, where = parts[0]["replicated"], {}
+        for i, params in enumerate(manifest["units"]):
+            S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
+            for name, shape in params:
+                where[name], o = (i, o, shape, S), o + _numel(shape)
+        master = getattr(torch, manifest["dtype"]["master"].removeprefix("torch."))
+
+        def tensor(name):  # the whole tensor, from the memory-mapped parts
+            if name in frozen:
+                return frozen[name]
+            i, o, shape, S = where[name]
+            return _elements(parts, S, i, o, o + _numel(shape), "master").view(shape)
+        items = [(key, name, list(frozen[name].shape) if name in frozen else where[name][2],
+                  frozen[name].dtype if name in frozen else master)
+                 for key, name in manifest["keys"]]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    try:
+        _atomic_write(outputs[1], lambda f: _write_safetensors(f, items, tensor))
+        # the model again, each tensor a view of the .safetensors file's pages (mapped
+        # copy-on-write: writable, as torch.frombuffer wants, and nothing written back)
+        with open(outputs[1], "rb") as f:
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        start, views = 8 + int.from_bytes(pages[:8], "little"), {}
+        for key, name, shape, dtype, (a, b) in _safetensors_offsets(items):
+            if name not in views:  # a tied weight: one tensor under both keys, as state_dict()
+                views[name] = torch.frombuffer(pages, dtype=dtype, count=_numel(shape),
+                                               offset=start + a).view(shape) if b > a else \
+                    torch.zeros(shape, dtype=dtype)
+        state = {key: views[name] for key, name, _, _ in items}
+        _atomic_write(out, lambda f: torch.save(state, f))
+        tmp = outputs[2] + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        _commit_dcp(tmp, outputs[2], {k: manifest[k] for k in ("step", "stage", "world_size")} |
+                    {"optimizer": None, "extra": manifest["extra"]})
+    except (OSError, RuntimeError) as e:
+        for o in outputs:
+            _remove_quietly(o)
+        shutil.rmtree(outputs[2], ignore_errors=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
+                         f"({reason})") from None
+    return manifest
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _safetensors_offsets(items):  # (key, name, shape, dtype, [start, end) in the data)
+    o = 0
+    for key, name, shape, dtype in items:
+        n = _numel(shape) * dtype.itemsize
+        yield key, name, shape, dtype, (o, o + n)
+        o += n
+
+
+def _write_safetensors(f, items, tensor):
+    """The safetensors format, written by hand, tensor by tensor: a little-endian u64, the size
+    of a JSON header (every key's dtype, shape and byte range), the header, then the bytes.
+    (safetensors' own save_file() takes every tensor at once, in memory.)"""
+    header = {"__metadata__": {"format": "pt"}}
+    for key, _, shape, dtype, offsets in _safetensors_offsets(items):
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
+                       "data_offsets": list(offsets)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(len(text).to_bytes(8, "little") + text)
+    for key, name, _, dtype in items:
+        f.write(tensor(name).contiguous().view(torch.uint8).numpy().data)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same run under FSDP2 and back: torch.distributed.checkpoint (DCP). fsdp_demo.py writes its
+# checkpoints with DCP, as torchtitan does; zero.py continues them (load_dcp), and fsdp_demo.py
+# continues zero.py's (its Torch.load_checkpoint). Keys, as torch.distributed.checkpoint's
+# state_dict API gives them: model.<key> for each key of the model's state_dict(), and
+# optimizer.state.<name>.<exp_avg | exp_avg_sq | step> for each parameter, by name.
+#
+#   DIR/step_00000010/__0_0.distcp ... __3_0.distcp   each rank's shards, DCP's own files
+#   DIR/step_00000010/.metadata                       DCP's index: each tensor's shape, and which
+#                                                     file holds which of its rows (a pickle)
+#   DIR/step_00000010/complete.json                   step, stage, N, hyper-parameters, data
+#
+# Both sides agree on the model's coordinates, names and shapes, not on how a rank's shard is
+# cut: FSDP2 cuts every parameter on dim 0, zero.py one flat buffer per unit. So a reader asks
+# DCP for whole tensors by name and cuts its own elements out of them (load_values).
+# DCP writes in place, so a save goes into step_00000010.partial, then complete.json, then one
+# rename: a directory without complete.json is torn (a save killed midway) and is never chosen.
+# DCP's .metadata is a pickle, unlike zero.py's parts: load DCP checkpoints that you trust.
+
+DCP_FORMAT = "zero.py DCP checkpoint, version 1"
+DCP_MARKER = "complete.json"
+
+
+def is_dcp(path):
+    return not os.path.exists(os.path.join(path, "manifest.json")) and any(
+        os.path.exists(os.path.join(path, f)) for f in (".metadata", DCP_MARKER))
+
+
+def checkpoint_path(path):
+    """path itself if it is a checkpoint of either format, else the newest complete one in it."""
+    if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
+        return path
+    found = latest_checkpoint(path) if os.path.isdir(path) else None
+    if found is None:
+        raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
+                              "DCP's .metadata), and no complete checkpoint in it")
+    return found
+
+
+def _commit_dcp(tmp, path, info):
+    """Rank 0, once DCP has written every rank's files into tmp: the marker, then the rename."""
+    _atomic_write(os.path.join(tmp, DCP_MARKER),
+                  lambda f: f.write(_json_lines({"format": DCP_FORMAT, **info}).encode()))
+    if os.path.exists(path):  # the same step again: the names swapped in one step, as
+        _exchange(tmp, path)  # save_checkpoint does; the old one, now at tmp, goes
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+
+
+def save_dcp(state, root, step, info, device, keep=2):
+    """dcp.save(state) as checkpoint `step` under root, in fsdp_demo.py's training: every rank
+    calls it (a collective), and writes its own shards. info: what complete.json records."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(root, f"step_{step:08d}")
+    tmp, error = path + ".partial", ""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
+    dist.barrier()
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
+        if dist.get_rank() == 0:
+            _commit_dcp(tmp, path, {"step": step, **info})
+            with contextlib.suppress(OSError, CheckpointError):
+                _rotate(root, step, keep)
+    except (OSError, RuntimeError) as e:
+        error = f"rank {dist.get_rank()}: {str(e).splitlines()[0][:300]}"
+    error = _first_error(error, device)
+    if error:
+        raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written before "
+                              "it are intact")
+
+
+def read_dcp(path):
+    """complete.json, and {key: (shape, dtype)} of every tensor, of the DCP checkpoint in `path`,
+    checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
+    Reads the index only, no tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+    marker = os.path.join(path, DCP_MARKER)
+    _regular_size(marker, "missing: the DCP checkpoint is torn (a save killed midway?)")
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # (an unreadable marker, or DCP's index missing or not one)
+        raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if not isinstance(info, dict) or info.get("format") != DCP_FORMAT or \
+            not _count(info.get("step")) or not isinstance(info.get("extra"), dict):
+        raise CheckpointError(f"{marker}: not a {DCP_FORMAT!r} marker")
+    ends = Counter()  # each file's length that the index needs
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends[item.relative_path], item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
+        if size < end:
+            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
+                                  f"{end}: truncated, the checkpoint is torn")
+    tensors = {k: (list(v.size), v.properties.dtype)
+               for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
+    return info, tensors
+
+
+def check_dcp(model, optimizer, info, tensors, path):
+    """Raise CheckpointError unless the DCP checkpoint (read_dcp) is one of this model, with
+    this optimizer's per-parameter state. Returns {parameter name: [its optimizer's keys]}."""
+    keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
+                if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
+    if not info.get("optimizer") or not any(keys.values()):
+        raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
+                              "needs it; start from weights with --init-from")
+    here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
+    if info["optimizer"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
+                              f"run has {type(optimizer).__name__}")
+    return keys
+
+
+def load_dcp(zero, path):
+    """load_checkpoint() for a DCP checkpoint, whatever FSDP2's N, stage and mesh that wrote it.
+    Each rank asks DCP only for the tensors of the parameters its elements are in (DCP then reads
+    only their rows' bytes, from each writer's file), and cuts its elements out of them."""
+    import torch.distributed.checkpoint as dcp
+    error, loaded = "", {}
+    try:
+        info, tensors = read_dcp(path)
+        keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
+        names = {p: n for n, p in zero.model.named_parameters()}
+        want = [f"model.{n}" for n, _ in replicated(zero.model)]
+        for u in zero.units:
+            for p in u.params:
+                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
+                    want += [f"model.{names[p]}",
+                             *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
+        loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
+        with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # DCP's own errors: a file it cannot read
+        error = f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+    error = _first_error(error[:500], zero.units[0].flat.device)  # every rank, before any change
+    if error:
+        raise CheckpointError(error)
+    per_element = {k for n, ks in keys.items() for k in ks
+                   if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
+    scalars = {}  # Adam's step count: a tensor of shape [] per parameter
+    for n, ks in keys.items():
+        if f"model.{n}" in loaded and ks:
+            scalars[n] = {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
+
+    def read(name, lo, hi, key):
+        t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
+        return t.reshape(-1)[lo:hi]
+    load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
+                {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
+    return info
+
+
+
+
+def consolidate_command(args):
+    """zero.py --consolidate DIR --out FILE: bad input is a UsageError (or CheckpointError)."""
+    if not args.out:
+        raise UsageError("--consolidate needs --out FILE")
+    where = os.path.dirname(args.out) or "."
+    if os.path.isdir(args.out) or not os.path.isdir(where):
+        raise UsageError(f"--out {args.out}: " + ("is a directory" if os.path.isdir(args.out)
+                                                  else f"no directory {where}"))
+    if not os.path.isdir(args.consolidate):
+        raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
+            args.consolidate) else "no such directory") + ": --consolidate takes a "
+            "checkpoint directory (or a --ckpt-dir, its newest)")
+    found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
+    path = args.consolidate if found else latest_checkpoint(args.consolidate)
+    if path is None or is_dcp(path):
+        raise CheckpointError(f"{args.consolidate}: no complete checkpoint of zero.py's (no "
+                              "manifest.json)" + (": DCP's is read by dcp_to_torch_save"
+                                                  if path else ""))
+    m = consolidate(path, args.out)
+    base = args.out[:-3] if args.out.endswith(".pt") else args.out
+    print(f"wrote {args.out}, {base}.safetensors and {base}.dcp: {len(m['keys'])} tensors, "
+          f"Ψ = {m['psi']:,}, step {m['step']} (written at stage {m['stage']} by "
+          f"{m['world_size']} rank(s), fp32 master weights)")

@@ -1,0 +1,599 @@
+"""
+memory.py: the memory tools. What a rank really holds, under a limit the operating system
+enforces, over the events of one step, and how large a model each stage trains within a limit.
+
+    torchrun --nproc_per_node=4 zero.py --stage 3 --max-memory 200MB    # a real limit per rank
+    python zero.py --largest-model --world-size 4 --max-memory 200MB    # the wall of each stage
+    torchrun --nproc_per_node=4 zero.py --stage 3 --timeline step.svg   # one step's bytes, drawn
+    torchrun --nproc_per_node=4 zero.py --timeline-all stages.svg       # all four stages
+
+What it is: --max-memory (RLIMIT_DATA on CPU, the CUDA allocator's share on a GPU, and the
+peak data size a rank reached under it), --largest-model (a search that launches trials of N
+ranks and brackets each stage's wall), and --timeline (zero.py's Meter records every event of a
+step; this file draws them, as text and as an SVG).
+
+What it uses of zero.py: train() and its Progress, the Meter's records (meter.timeline), the
+formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
+check_args). zero.py imports this file at the flags that need it.
+"""
+import argparse, contextlib, os, signal, time
+from collections import namedtuple
+
+import torch
+import torch.distributed as dist
+
+from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, check_args, log0, \
+    memory_formula, train, training_parser
+
+# ----------------------------------------------------------------------------------------------
+# A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
+# allocator), so that "this stage fits in this much memory" is a fact and not a formula.
+
+def _status(field, *more):  # bytes, from this process's /proc/self/status (Linux); with more
+    with open("/proc/self/status") as f:  # fields than one, {field: bytes} read at one moment
+        got = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+               if k in (field, *more)}
+    return got if more else got[field]
+
+
+def limit_memory(size, device):
+    """From now on this rank may allocate `size` bytes beyond what it holds now (its runtime:
+    Python, torch, the process group). CPU: RLIMIT_DATA, the limit Linux puts on a process's
+    data (the heap and its private mappings, where torch's CPU tensors live), set `size` above
+    what the process has; an allocation past it fails and torch raises its out-of-memory error.
+    CUDA: torch.cuda.set_per_process_memory_fraction, the share of the GPU torch's caching
+    allocator may take. Returns the runtime's resident bytes (CPU; 0 on CUDA)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
+        return 0
+    import ctypes, resource
+    w = torch.zeros(1, requires_grad=True)  # runtime, so before the limit: the first optimizer
+    w.grad = torch.zeros(1)                 # imports ~65 MB of modules, the first parallel
+    torch.optim.AdamW([w]).step()           # kernel starts the threads (their stacks count)
+    torch.ones(256, 256) @ torch.ones(256, 256)
+    # glibc: each allocation of 64 KiB or more gets a mapping of its own, given back when freed
+    # (else the heap keeps freed tensors, and the limit counts them). The price: fresh pages, and
+    # their faults, for every new tensor, so a limited run is slower than an unlimited one. And
+    # one malloc arena for all threads: a thread's new arena maps 64 MB of address space for a
+    # moment, which hides the data size's peak in the address space's (Watch.peak). The price:
+    # threads that allocate small objects at once wait for each other.
+    try:
+        ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        new = _status("VmData") + size
+        if hard != resource.RLIM_INFINITY:
+            new = min(new, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM, the peak resident size, starts again from here
+        return _status("VmRSS")
+    except (OSError, ValueError, StopIteration) as e:
+        raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
+            from None
+
+
+class Watch(Progress):
+    """zero.Progress, and under --max-memory on CPU the data size (VmData: what RLIMIT_DATA
+    counts) at each of its moments: the largest seen (data), and as each block's forward starts
+    in the last forward (forward): from one block to the next it grows by what a block keeps for
+    backward (per_block)."""
+
+    def start(self):  # what peak() starts from: the data size now, and the address space
+        self.vm = _status("VmPeak", "VmSize", "VmData")
+        self.data = self.data0 = self.now = self.vm["VmData"]
+        self.forward = []
+
+    def note(self, what):
+        super().note(what)
+        if hasattr(self, "data"):
+            self.now = _status("VmData")
+            self.data = max(self.data, self.now)
+
+    def block_forward(self, name):
+        super().block_forward(name)
+        if hasattr(self, "data") and torch.is_grad_enabled():
+            if name == "blocks.0":  # a new forward
+                self.forward = []
+            self.forward.append(self.now)
+
+    def per_block(self):
+        """Bytes one more block adds to what a rank holds beyond its model state: what the data
+        size grew by from one block's forward to the next in the last forward (activations kept
+        for backward; at stage 3 each sample also holds the block's unit and the one prefetched,
+        the same from block to block), on average. 0 where unknown: not under --max-memory on
+        CPU (on CUDA the search then takes the excess as flat, from the trials that fitted)."""
+        f = getattr(self, "forward", [])
+        return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
+
+    def used(self):  # the most this rank allocated above its runtime: the peak, less the start
+        return self.peak() - self.data0 if hasattr(self, "data") else -1
+
+    def peak(self):
+        """The most data this rank had since the limit was set. Linux keeps no peak of it, but
+        keeps one of the whole address space (VmPeak): data plus what is not (code, mapped
+        files, the space malloc's arenas reserve). Training maps and unmaps data only
+        (limit_memory lets malloc make no new arena), so where what is not data is the same at
+        the end as when the limit was set, the peak of the address space less it is the peak of
+        the data. Sampling alone (note(), at each block's forward and backward) misses the peaks
+        in between: for the demo GPT at stage 3 under 200MB, by 6 MB, two of its blocks; peak()
+        put a run that fitted at 199.4 MB, and the next block out of memory. Where it cannot be
+        used (the address space did not grow past its peak from before the limit, or what is
+        not data changed), what was sampled."""
+        vm, before = _status("VmPeak", "VmSize", "VmData"), self.vm
+        if vm["VmPeak"] > before["VmPeak"] and \
+                vm["VmSize"] - vm["VmData"] == before["VmSize"] - before["VmData"]:
+            return max(self.data, vm["VmPeak"] - (vm["VmSize"] - vm["VmData"]))
+        return self.data
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory wall: --largest-model finds, by trying, the largest demo GPT that each stage trains
+# within --max-memory: how much larger a model ZeRO trains on the same ranks.
+
+def largest_model(args):
+    """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
+    trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
+    Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
+    that trial only. The search starts where the formula puts the wall and brackets it:
+    wall_guess() says where, from what the trials that fitted measured."""
+    N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
+            free = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+        if N * args.max_memory > free:
+            raise UsageError(f"--largest-model: {N} ranks x --max-memory "
+                             f"{_si(args.max_memory)}B is more than this machine's available "
+                             f"memory ({_si(free)}B): the kernel would stop the trials, not the "
+                             "limit")
+    with torch.device("meta"):  # Ψ grows by one block's parameters per block
+        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
+                                               args.n_head).parameters()) for n in (1, 2))
+    psi = lambda layers: one + (layers - 1) * (two - one)  # noqa: E731
+    formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
+        stage, psi(layers), N, pb, gb, ob, args.shard_size if stage else None).values())
+    # Mixed precision: step()'s fp32 copy of the gradients stepped (unit.step_grad), model state
+    # that grows with the model as the formula's does; the search counts it with the formula.
+    step_copy = lambda stage, layers: 4 * psi(layers) / (  # noqa: E731
+        1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
+    walls = []  # each stage's largest trial that fitted: a Fit
+    for stage in range(4):
+        tried, fitted = {}, []
+
+        def fits(layers):
+            if layers not in tried:
+                tried[layers] = res = _trial(args, stage, layers)
+                count[0] += 1
+                print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
+                      (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
+                       else res["error"].split(" (--max-memory")[0]), flush=True)
+                if res["ok"]:
+                    f = formula(stage, layers) + step_copy(stage, layers)
+                    fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
+                                      res["per_block"]))
+            return tried[layers]["ok"]
+        hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
+        while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
+            guess = wall_guess(fitted, walls, lambda n: formula(stage, n) + step_copy(stage, n),
+                               args.max_memory)
+            if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
+                layers, up = lo + 2 ** up, up + 1
+            elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
+                layers, down = hi - 2 ** down, down + 1
+            else:
+                layers, up, down = guess, 0, 0
+            layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
+            lo, hi = (layers, hi) if fits(layers) else (lo, layers)
+            if lo >= MAX_LAYERS:
+                break
+            if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
+                lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
+        rows.append((stage, tried.get(lo), tried.get(hi)))
+        walls += [max(fitted)] if fitted else []
+    print_memory_wall(args, rows)
+    print(f"{count[0]} trials in {time.time() - t0:.0f} s")
+    if not walls:
+        raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
+                          f"within --max-memory {_si(args.max_memory)}B at any stage")
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# What a trial that fitted measured, beyond the formula's model state (bytes): at the most, all
+# it held (excess) and the model state alone (transient: buffers the formula does not count),
+# and what one more block adds to the rest (per_block: activations).
+Fit = namedtuple("Fit", "layers excess transient per_block")
+
+
+def wall_guess(fitted, walls, formula, limit):
+    """Where the wall should be: the most blocks whose formula (model state alone) plus the
+    excess (what a rank holds beyond it: transient buffers the formula does not count,
+    activations, the backend's buffers) stays within the limit. The excess:
+    - measured by this stage's largest trial that fitted, plus what a block adds (the per-block
+      growth that trial measured in its forward) for each block more;
+    - before any at this stage, the previous stage's the same way, with this stage's transient
+      buffers guessed to grow from the previous stage's as they grew from the one before; with
+      one stage before it (stage 0, whose model state is the formula's), by half that stage's
+      excess (a run of the README's command: 6.3 MB against 17.5 MB). Where activations are
+      most of the excess, half of it overestimates the growth: the guess falls under the wall,
+      which costs one trial more at most (it fits, and measures this stage's own);
+    - before any trial at all, none, on half the limit: the model whose formula is half the
+      limit, which leaves half of it for the excess, and measures it."""
+    if fitted or walls:
+        last = max(fitted) if fitted else walls[-1]
+        grow = 0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else \
+            max(walls[-1].transient - walls[-2].transient, 0)
+        excess = lambda n: last.excess + grow + last.per_block * (n - last.layers)  # noqa: E731
+    else:
+        excess, limit = (lambda n: 0), limit / 2  # noqa: E731
+    need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
+    lo, hi = 0, MAX_LAYERS + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
+    return max(lo, 1)
+
+
+MAX_LAYERS = 4096  # --largest-model stops doubling here
+
+
+def _trial(args, stage, layers):
+    """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
+    Returns what rank 0 measured, or the first error a rank reported."""
+    import multiprocessing as mp
+    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2",
+            "--d-model", str(args.d_model), "--n-head", str(args.n_head),
+            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+            "--max-memory", str(args.max_memory), "--timeout", str(args.timeout),
+            "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
+        (["--shard-size", str(args.shard_size)] if args.shard_size and stage else []) + \
+        (["--backend", args.backend] if args.backend else []) + \
+        (["--device", args.device] if args.device else [])
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
+                                         args.n_head).parameters())
+    ctx, port = mp.get_context("spawn"), _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
+    procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
+             for r, (_, send) in enumerate(pipes)]
+    for p in procs:
+        p.start()
+    try:
+        results = _collect(pipes, procs, time.time() + 120 + 4 * args.timeout)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    failed = [res for r, res in sorted(results.items()) if not res["ok"]]
+    oom = [res for res in failed if "out of memory" in res["error"]]
+    if not failed and len(results) < args.world_size:
+        failed = [{"ok": False, "error": "no answer before the deadline"}]
+    out = (oom or failed or [results[0]])[0]
+    if failed and not oom:
+        raise UsageError(f"--largest-model: a trial failed for another reason than memory "
+                         f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
+    return {**out, "psi": psi, "layers": layers}
+
+
+def _collect(pipes, procs, deadline):
+    """{rank: its report} from the trial's pipes, until every rank has reported, one has run out
+    of memory (its trial is over: the others only wait for it) or the deadline passes. Several
+    ranks may report at once (wait() returns all that are ready): every one is read."""
+    from multiprocessing.connection import wait
+    results, waiting, over = {}, {recv: r for r, (recv, _) in enumerate(pipes)}, False
+    while waiting and not over and time.time() < deadline:
+        for recv in wait(list(waiting), timeout=1):
+            r = waiting.pop(recv)
+            try:
+                results[r] = recv.recv()
+            except EOFError:
+                results[r] = {"ok": False, "error": f"rank {r} died (exit code "
+                                                    f"{procs[r].exitcode})"}
+            over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
+    return results
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trial_rank(rank, world, port, argv, send):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
+    os.dup2(devnull, 2)
+    try:
+        args = check_args(training_parser("").parse_args(argv))
+        res = train(args, quiet=True)
+        send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
+                   "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
+    except OutOfMemory as e:
+        send.send({"ok": False, "error": str(e)})
+    except BaseException as e:  # anything else: the trial's one line
+        text = str(e).strip().splitlines()
+        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: "
+                                         f"{text[0][:200] if text else ''}"})
+    os._exit(0)
+
+
+def print_memory_wall(args, rows):
+    N = args.world_size
+    G = args.shard_size or N
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
+    print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
+          f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
+          + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
+          f"{args.n_head} heads, {args.batch_size} row(s) x {args.seq_len} bytes per rank, "
+          + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
+    print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
+          f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
+    best = {}
+    for stage, ok, no in rows:
+        left = (f"{ok['layers']:>6} {ok['psi']:>12,} {_si(formula(stage, ok['psi'])):>8}B "
+                f"{_si(ok['state']):>8}B {_si(ok['rest']):>7}B") if ok and ok["ok"] else \
+            f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
+        right = (f"{no['layers']:>6} {no['psi']:>12,} {_si(formula(stage, no['psi'])):>8}B"
+                 if no and not no["ok"] else f"{'-':>6}")
+        print(f"{stage:<6}{left} | {right}")
+        if ok and ok["ok"]:
+            best[stage] = ok
+    runtime = [b["runtime"] for b in best.values() if b["runtime"]]
+    print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
+          "measured: the most model state a rank held (zero.py's own count); rest: the most a "
+          "rank\nallocated above its runtime (CPU: the peak data size, from Linux's peak address "
+          "space),\nless that model state: activations, the backend's buffers, temporaries, "
+          "Python's objects." + (f"\nRuntime (Python, torch, the backend), not counted in "
+                                 f"--max-memory: {_si(max(runtime))}B per rank" if runtime else ""))
+    if 0 in best and 3 in best:
+        print(f"stage 3 trains {best[3]['psi'] / best[0]['psi']:.1f}x the parameters of stage 0 "
+              "on the same ranks")
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The timeline (--timeline, --timeline-all): the model-state bytes after every event of one
+# step, as Meter.event sees them, drawn as stacked bands (an SVG file) and as text (the
+# terminal). It shows what the tables only sum up: stage 0 holds everything all step long,
+# stage 1 cuts the optimizer band, stage 2's gradients rise and fall unit by unit during
+# backward, stage 3's parameters are a sawtooth of gathers and frees.
+
+STACK = ("optimizer", "params", "grads")  # bottom to top: the steady band under the moving ones
+COLORS = {"optimizer": "#59a14f", "params": "#4e79a7", "grads": "#f28e2b"}
+CHARS = {"optimizer": "░", "params": "█", "grads": "▒"}
+
+
+class Timeline(list):
+    """The moments of one step, as zero.py's Meter sees them: Meter.event calls record()."""
+
+    def record(self, zero, what, unit):
+        self.append(timeline_entry(zero, what, unit))
+
+
+def start_timeline(zero):
+    """From now on every Meter.event appends its moment to zero.meter.timeline; the first one
+    measures everything."""
+    zero.meter.timeline = Timeline()
+    zero.meter.event("before forward")
+
+
+def stop_timeline(zero):
+    timeline, zero.meter.timeline = zero.meter.timeline, None
+    return timeline
+
+
+def timeline_entry(zero, what, unit):
+    """{"event": what happened, params, grads, optimizer: bytes this rank holds after it (with
+    what is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
+    i = None if unit is None else zero.units.index(unit)
+    reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
+    label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
+             "reduction launched": f"{reduction} of unit {i} launched",
+             "reduction landed": f"{reduction} of unit {i} landed",
+             "gradient buffer": f"gradient buffer of unit {i} made",
+             "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
+             "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
+    device = zero.units[0].flat.device
+    return {"event": label, **{k: zero.meter.now[k] for k in STACK},
+            "cuda": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
+
+
+def timeline_panel(res, args):
+    """What one run's picture needs: its events and the formula's level of each kind."""
+    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter, as in report()
+    s, G = res["stage"], getattr(args, "shard_size", None) or res["world"]
+    n = "N" if G == res["world"] else "G"  # hybrid sharding: what is sharded is 1/G
+    return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
+            "groups": f", G = {G}" if G < res["world"] else "",
+            "events": res["timeline"], "dtype": "bf16 mixed precision" if args.bf16 else "fp32",
+            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob, shard_size=G),
+            "symbols": {"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
+                        "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
+                        "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)}}
+
+
+def _total(e):
+    return sum(e[k] for k in STACK)
+
+
+def _peak(events):  # the first event after which the most is held
+    return max(range(len(events)), key=lambda j: _total(events[j]))
+
+
+def _top(panels, cuda):  # the top of the byte axis all panels share
+    return max(max(sum(p["formula"].values()), _total(e), cuda and e["cuda"] or 0)
+               for p in panels for e in p["events"])
+
+
+
+def timeline_text(panels, width=100):
+    """The panels as text on one scale, one row per event: the bytes of each kind after it and a
+    stacked bar; ▶ marks the peak, | the formula's total. At most `width` columns wide."""
+    bar, top, out = width - 62, _top(panels, cuda=False), []
+    col = lambda b: round(b * bar / top)  # noqa: E731
+    for p in panels:
+        ev, formula, peak = p["events"], sum(p["formula"].values()), _peak(p["events"])
+        out += [f"stage {p['stage']}, {STAGE_NAMES[p['stage']].split(':')[0]}: model-state bytes "
+                f"of rank 0 after each event of step {p['step']} (N = {p['world']}{p['groups']})",
+                f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
+                f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
+                f"  {'event':<34} {'params':>7} {'grads':>7} {'optim':>7}"]
+        for j, e in enumerate(ev):
+            cum, row = 0, ""
+            for kind in STACK:
+                row += CHARS[kind] * (col(cum + e[kind]) - col(cum))
+                cum += e[kind]
+            c = max(col(formula), 1)  # the formula's total: a | in (or after) the bar
+            row = row[:c - 1].ljust(c - 1) + "|" + row[c:]
+            out.append(f"{'▶' if j == peak else ' '} {e['event'][:34]:<34} {_si(e['params']):>7} "
+                       f"{_si(e['grads']):>7} {_si(e['optimizer']):>7} {row}")
+        out.append(f"  ▶ peak {_si(_total(ev[peak]))}B at event {peak + 1} of {len(ev)}: "
+                   f"{ev[peak]['event']}")
+        if ev[0]["cuda"] is not None:
+            j = max(range(len(ev)), key=lambda j: ev[j]["cuda"])
+            out.append(f"  torch.cuda.memory_allocated (activations too): most "
+                       f"{_si(ev[j]['cuda'])}B at {ev[j]['event']}")
+        out.append("")
+    return "\n".join(out)
+
+
+def timeline_svg(panels):
+    """The panels side by side on one byte axis: per panel one band (a <path>) per kind, stacked,
+    the formula's level of each kind (stacked the same way) dashed, the peak marked, and on
+    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event."""
+    from html import escape
+    W, H, GAP, L, T = 300, 240, 40, 70, 78  # a panel's width and height, gap, left, top margins
+    top = _top(panels, cuda=True) * 1.08
+    y = lambda b: T + H - H * b / top  # noqa: E731
+    tick = 1
+    while tick * 10 <= top / 4:
+        tick *= 10
+    tick *= next(m for m in (1, 2, 5, 10) if tick * m * 6 >= top)  # at most 6 ticks
+    p0, right = panels[0], L + len(panels) * (W + GAP)
+    title = (f'Model-state bytes of rank 0 after each event of one training step (N = '
+             f'{p0["world"]}, Ψ = {p0["psi"]:,}, {p0["dtype"]} AdamW)')
+    svg = [f'<text x="{L}" y="20" font-size="14">{title}</text>']
+    cuda = any(e["cuda"] is not None for p in panels for e in p["events"])
+    legend = [(f'<rect width="10" height="10" y="-9" fill="{COLORS[k]}"/>', k) for k in STACK[::-1]]
+    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-dasharray="4 2"/>',
+                "formula, stacked"), ('<circle cx="5" cy="-4" r="4" fill="red"/>', "peak")]
+    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-width="2"/>',
+                "torch.cuda.memory_allocated (activations included)")] * cuda
+    x = L
+    for mark, text in legend:
+        svg.append(f'<g transform="translate({x},44)">{mark}<text x="18">{text}</text></g>')
+        x += 30 + 7 * len(text)
+    width = max(right, x, L + 8 * len(title))
+    for k in range(int(top // tick) + 1):  # the byte axis, shared by every panel
+        svg.append(f'<line x1="{L}" x2="{right - GAP}" y1="{y(k * tick):.1f}" '
+                   f'y2="{y(k * tick):.1f}" stroke="#ddd"/><text x="{L - 5}" '
+                   f'y="{y(k * tick) + 4:.1f}" text-anchor="end">{_si(k * tick)}B</text>')
+    for i, p in enumerate(panels):
+        ev, x0 = p["events"], L + i * (W + GAP)
+        dx = W / len(ev)
+        mid = [x0 + (j + 0.5) * dx for j in range(len(ev))]
+        low = [0] * len(ev)
+        for kind in STACK:  # a band: along its top edge, back along its bottom edge
+            high = [a + e[kind] for a, e in zip(low, ev)]
+            edge = [(x0 + (j + h) * dx, high[j]) for j in range(len(ev)) for h in (0, 1)]
+            edge += [(x0 + (j + h) * dx, low[j]) for j in reversed(range(len(ev))) for h in (1, 0)]
+            d = " L".join(f"{a:.1f},{y(b):.1f}" for a, b in edge)
+            svg.append(f'<path class="band {kind}" data-stage="{p["stage"]}" '
+                       f'fill="{COLORS[kind]}" d="M{d} Z"><title>{kind}</title></path>')
+            low = high
+        level = 0
+        for kind in STACK:  # labels right, left, right: they do not overlap where lines are close
+            level += p["formula"][kind]
+            at = f'x="{x0 + 2}"' if kind == "params" else f'x="{x0 + W - 2}" text-anchor="end"'
+            svg.append(f'<line class="formula {kind}" x1="{x0}" x2="{x0 + W}" y1="{y(level):.1f}"'
+                       f' y2="{y(level):.1f}" stroke="black" stroke-dasharray="4 2"/><text '
+                       f'{at} y="{y(level) - 3:.1f}">{kind} {p["symbols"][kind]}</text>')
+        if cuda:
+            line = " ".join(f"{x:.1f},{y(e['cuda'] or 0):.1f}" for x, e in zip(mid, ev))
+            svg.append(f'<polyline class="cuda" points="{line}" fill="none" stroke="black" '
+                       f'stroke-width="2"/>')
+        for j, e in enumerate(ev):  # the event under the pointer
+            svg.append(f'<rect x="{x0 + j * dx:.1f}" y="{T}" width="{dx:.1f}" height="{H}" '
+                       f'fill="transparent"><title>{j + 1}. {escape(e["event"])}: params '
+                       f'{e["params"]:,}, grads {e["grads"]:,}, optimizer {e["optimizer"]:,}'
+                       f'</title></rect>')
+        j = _peak(ev)
+        svg.append(f'<circle class="peak" cx="{mid[j]:.1f}" cy="{y(_total(ev[j])):.1f}" r="4" '
+                   f'fill="red"/><text x="{x0}" y="{T + H + 30}">peak {_si(_total(ev[j]))}B at '
+                   f'event {j + 1}: {escape(ev[j]["event"])}</text>')
+        for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
+            svg.append(f'<line x1="{x0 + j * dx:.1f}" x2="{x0 + j * dx:.1f}" y1="{T}" '
+                       f'y2="{T + H}" stroke="#444" stroke-dasharray="1 3"/><text '
+                       f'x="{x0 + j * dx - 3:.1f}" y="{T + H - 4}" text-anchor="end">step</text>')
+        svg.append(f'<text x="{x0}" y="{T - 8}" font-size="13">stage {p["stage"]}: '
+                   f'{STAGE_NAMES[p["stage"]].split(":")[0]}</text><text x="{x0}" '
+                   f'y="{T + H + 15}">{len(ev)} events of step {p["step"]}, in order</text>')
+        svg.append(f'<rect x="{x0}" y="{T}" width="{W}" height="{H}" fill="none" stroke="#999"/>')
+    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{T + H + 40}" '
+            f'font-family="sans-serif" font-size="11">',
+            '<rect width="100%" height="100%" fill="white"/>']
+    return "\n".join(head + svg + ["</svg>", ""])
+
+
+def show_timeline(panels, path):
+    """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
+    if dist.get_rank() == 0:
+        print("\n" + timeline_text(panels), flush=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(timeline_svg(panels))
+        print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
+
+
+def train_every_stage(args):
+    """--timeline-all: train stages 0-3 in turn, in this one process group with the same args,
+    recording the last step of each; rank 0 draws the four side by side."""
+    panels = []
+    for stage in range(4):
+        res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
+        panels.append(timeline_panel(res, args))
+        ev = panels[-1]["events"]
+        log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
+             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(ev)} events, "
+             f"peak {_si(_total(ev[_peak(ev)]))}B")
+    show_timeline(panels, args.timeline_all)
+
+
+def check_timeline_args(args):
+    """--timeline, --timeline-all: bad input is a UsageError before anything runs."""
+    path = args.timeline or args.timeline_all
+    if args.timeline and args.timeline_all:
+        raise UsageError("--timeline and --timeline-all: choose one")
+    if args.estimate or args.consolidate:
+        raise UsageError("--timeline and --timeline-all draw a training run: not with "
+                         "--estimate or --consolidate")
+    if args.steps < 2:
+        raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
+    if args.timeline_all and args.ckpt_dir:
+        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
+                         if not os.path.isdir(path) else f"{path} is a directory")
+
+
