@@ -1,0 +1,156 @@
+"""
+meta_init.py: building a model that no rank can hold whole, from the meta device.
+
+    with torch.device("meta"):
+        model = GPT(...)                                         # shapes only, no memory
+    opt = zero.wrap(model, 3, optimizer, init=GPT.init_weights)  # unit by unit, sharded
+
+Under `with torch.device("meta"):` a model
+is built with shapes and dtypes only, no memory and no initialization (PyTorch's way to build
+what does not fit; FSDP2 shards such a model and then calls to_empty() and an init, DeepSpeed
+builds under zero.Init). wrap() then visits the modules in the order of model.apply(init),
+torch's and transformers' way to initialize (children first, then their parent, whose init
+may set its children's tensors: GPT-2's scaled init of the residual projections), and
+allocates a unit only when the walk first reaches a module holding one of its parameters. A
+unit is handed back to wrap() to be broadcast and cut to this rank's shard (stage 3 frees
+the rest) once its own module, and every module holding one of its parameters, is
+initialized; only then is the next unit allocated. So at stage 3 a rank holds its shards,
+the root unit (handed out last: the model's own init may set any of it) and the one unit
+being initialized, never the whole model. (A unit with a parameter that a later module
+shares, such as an embedding unit tied to a head unit, stays whole until that module is
+initialized: its init draws that parameter again.) The random numbers are drawn in the same
+order as by model.apply(init) on a normally built model after the same torch.manual_seed:
+the same weights, bit for bit. An init that writes where that cannot hold (to a unit not
+allocated yet, whose meta tensors would silently drop the write, or one already cut) is an
+error (_NoWritesOutside).
+
+What it uses of zero.py: the units (unit.flat, offset, my_slice, shard, master) and the
+Meter; zero.materialize() hands a model built on the meta device to materialize() here.
+"""
+import itertools
+
+import torch
+
+
+def materialize(zero, init):
+    """The units of a model built on the meta device, each ready to be sharded (wrap's loop):
+    each unit is allocated on zero.device and initialized just before it is handed out: init(m)
+    for every module m in model.apply()'s order (default: m.reset_parameters(), where m has one;
+    a module with tensors of its own on the meta device and no reset_parameters is an error).
+    Every element starts as NaN, so one that init() leaves unset is an error, not garbage."""
+    model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
+    modules, pnames = list(_apply_order(model)), {p: n for n, p in model.named_parameters()}
+    bnames = {b: n for n, b in model.named_buffers()}
+    owner = {p: u for u in zero.units for p in u.params}
+    last = {owner[p]: k for k, m in enumerate(modules) for p in m.parameters(recurse=False)
+            if p in owner}  # the unit -> the last module holding one of its parameters...
+    for k, m in enumerate(modules):  # ...or its own module, whose init may set its children's
+        for u in zero.units:
+            if m in u.modules or (not u.modules and m is model):
+                last[u] = max(last.get(u, k), k)
+    released = []
+    was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
+    made, fresh = {}, []  # made: meta buffer -> its tensor (buffers may be shared)
+    for k, m in enumerate(modules):
+        own_meta = [t for t in itertools.chain(m.parameters(recurse=False),
+                                               m.buffers(recurse=False))
+                    if t.is_meta or id(t) in was_meta]
+        if init is None and own_meta and not hasattr(m, "reset_parameters"):
+            raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
+                             "device and no reset_parameters(): pass wrap(init=...) to "
+                             "initialize it")
+        for p in m.parameters(recurse=False):
+            if p in owner and owner[p].flat.is_meta:
+                _materialize_unit(zero, owner[p])
+            elif p.is_meta:  # a frozen parameter: not sharded, held whole as in a normal build
+                _swap_in(p, _unset(torch.empty_like(p, device=zero.device)))
+                fresh.append((p, pnames[p]))
+        for name, b in m._buffers.items():
+            if b is not None and (b.is_meta or b.device != zero.device):
+                if b not in made:
+                    made[b] = _unset(torch.empty_like(b, device=zero.device)) if b.is_meta \
+                        else b.to(zero.device)
+                    fresh += [(made[b], bnames[b])] * b.is_meta
+                m._buffers[name] = made[b]
+        before = list(m.parameters(recurse=False))
+        with torch.no_grad(), _NoWritesOutside(names[m], released):
+            if init is not None:
+                init(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        if list(m.parameters(recurse=False)) != before:
+            raise ValueError(f"zero: init() replaced a parameter of {names[m]}: initialize "
+                             "the module's parameters in place (torch.nn.init, copy_)")
+        for u in [u for u, at in last.items() if at == k]:
+            _check_set([(p, pnames[p]) for p in u.params])
+            yield u
+            released.append(u.flat.untyped_storage())
+    _check_set(fresh)
+
+
+def _apply_order(m):  # the modules in nn.Module.apply's order: children first, then m
+    for child in m.children():
+        yield from _apply_order(child)
+    yield m
+
+
+class _NoWritesOutside(torch.overrides.TorchFunctionMode):
+    """init(m) may write only to tensors that exist now: not to those of a unit not allocated yet
+    (a meta tensor: the write would be silently dropped) nor of one already handed out. A torch
+    function mode sees every torch call made inside it; in-place ones end in "_"."""
+
+    def __init__(self, module_name, released):
+        super().__init__()
+        self.module_name, self.released = module_name, released
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.startswith("_")) or "out" in kwargs:
+            for t in [args[0] if args else kwargs.get("tensor"), kwargs.get("out")]:
+                if torch.is_tensor(t) and t.numel() and (
+                        t.is_meta or any(t.untyped_storage()._cdata == s._cdata
+                                         for s in self.released)):
+                    raise ValueError(
+                        f"zero: init({self.module_name}) writes to a tensor of a unit that is "
+                        f"{'not allocated yet' if t.is_meta else 'built already'} ({name}): "
+                        "init(module) may set the tensors of the module and its submodules, "
+                        "within one unit")
+        return func(*args, **kwargs)
+
+
+def _materialize_unit(zero, unit):
+    unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device=zero.device)
+    for p in unit.params:  # each parameter becomes a view of the flat buffer, as in Unit()
+        _swap_in(p, _unset(unit.view(unit.flat, p)))
+    unit.shard = unit.master = unit.flat[unit.my_slice]
+    zero.meter.event("materialized", unit)
+
+
+def _swap_in(t, value):
+    # A meta tensor's .data cannot be set to a real one (another tensor type), and replacing the
+    # Parameter object would break ties (one parameter in two modules) and references held
+    # elsewhere. torch.utils.swap_tensors swaps the two objects' contents instead: `t` stays the
+    # same Python object; then .data points it at `value` (a view into the unit's flat buffer),
+    # as Unit() does. (Made from `value` itself, it would share its version counter with the
+    # flat buffer, and stage 3's gathers would then look to autograd like in-place changes.)
+    new = torch.Tensor._make_subclass(type(t), value.new_empty(0), t.requires_grad)
+    new.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, new)
+    t.data = value
+
+
+def _unset(t):  # what no init has written yet: NaN (or the smallest integer)
+    return t.fill_(float("nan") if t.is_floating_point() else
+                   torch.iinfo(t.dtype).min if t.dtype != torch.bool else False)
+
+
+def _check_set(tensors):
+    for t, name in tensors:
+        unset = torch.isnan(t).any() if t.is_floating_point() else \
+            t.numel() > 0 and t.dtype != torch.bool and (t == torch.iinfo(t.dtype).min).all()
+        if unset:
+            raise ValueError(f"zero: {name} is not initialized: init(module) must set every "
+                             "parameter and buffer of the module it is given")
+
+
