@@ -274,7 +274,7 @@ def full_state_dict(zero):
             flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
         else:  # the masters are sharded: gather them
             flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
-            all_gather(flat, unit.master, group=zero.shard_group)  # [N*S] <- every rank's [S]
+            all_gather(flat, unit.master, group=zero.group)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
             flat = _wide(flat)
         full.update({p: unit.view(flat, p).clone() for p in unit.params})
@@ -317,7 +317,7 @@ def load_full_state_dict(zero, state):
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
-                all_gather(u.master, mine, group=zero.shard_group)
+                all_gather(u.master, mine, group=zero.group)
                 zero.meter.sent("all_gather", u.master, u)
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
         for _, t in replicated(zero.model):
@@ -796,97 +796,58 @@ def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's st
     return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
 
 
-def consolidate(path, out):
+def consolidate(path, out, kind):
     """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor} for
-    every key of the model's own state_dict(), in three formats: `out`, a torch.save file (what
-    model.load_state_dict() and --init-from take); OUT.safetensors (OUT: `out` without .pt),
-    what Hugging Face and inference engines load; OUT.dcp, a DCP directory (dcp.load, FSDP2's,
-    and dcp_to_torch_save read it). One process, no process group, any stage and world size.
-    Streamed, one tensor at a time: each is cut from the memory-mapped parts into the
-    .safetensors file, and the other two are written from that file, memory-mapped too: no
-    moment holds the whole model in memory. A checkpoint that is not right is a
-    CheckpointError, an output that cannot be written a UsageError; neither leaves a file."""
-    import mmap
-    import torch.distributed.checkpoint as dcp
+    every key of the model's own state_dict(), to `out` in one format (`kind`): "pt", a
+    torch.save file (what model.load_state_dict() and --init-from take); "safetensors", what
+    Hugging Face and inference engines load (safetensors.torch.load_file); "dcp", a DCP
+    directory (dcp.load, FSDP2's, and dcp_to_torch_save read it). One process, no process
+    group, any stage and world size. Each tensor is a view of the memory-mapped parts (a copy
+    where two parts hold it), written from there: no moment holds the whole model in memory. A
+    checkpoint that is not right is a CheckpointError, an output that cannot be written a
+    UsageError; neither leaves a file."""
     manifest, parts = read_checkpoint(path)
-    base = out[:-3] if out.endswith(".pt") else out
-    outputs = [out, base + ".safetensors", base + ".dcp"]
     try:
-        frozen, where = parts[0]["replicated"], {}
-        for i, params in enumerate(manifest["units"]):
-            S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
-            for name, shape in params:
-                where[name], o = (i, o, shape, S), o + _numel(shape)
-        master = getattr(torch, manifest["dtype"]["master"].removeprefix("torch."))
-
-        def tensor(name):  # the whole tensor, from the memory-mapped parts
-            if name in frozen:
-                return frozen[name]
-            i, o, shape, S = where[name]
-            return _elements(parts, S, i, o, o + _numel(shape), "master").view(shape)
-        items = [(key, name, list(frozen[name].shape) if name in frozen else where[name][2],
-                  frozen[name].dtype if name in frozen else master)
-                 for key, name in manifest["keys"]]
+        frozen, tensors = parts[0]["replicated"], dict(checkpoint_tensors(manifest, parts))
+        tensors.update(frozen)
+        state, seen = {}, set()
+        for key, name in manifest["keys"]:  # a tied weight: one tensor under both keys, as in
+            t = _own_storage(tensors[name])  # state_dict(); safetensors wants two copies
+            state[key] = t.clone() if kind == "safetensors" and name in seen else t
+            seen.add(name)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
     try:
-        _atomic_write(outputs[1], lambda f: _write_safetensors(f, items, tensor))
-        # the model again, each tensor a view of the .safetensors file's pages (mapped
-        # copy-on-write: writable, as torch.frombuffer wants, and nothing written back)
-        with open(outputs[1], "rb") as f:
-            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        start, views = 8 + int.from_bytes(pages[:8], "little"), {}
-        for key, name, shape, dtype, (a, b) in _safetensors_offsets(items):
-            if name not in views:  # a tied weight: one tensor under both keys, as state_dict()
-                views[name] = torch.frombuffer(pages, dtype=dtype, count=_numel(shape),
-                                               offset=start + a).view(shape) if b > a else \
-                    torch.zeros(shape, dtype=dtype)
-        state = {key: views[name] for key, name, _, _ in items}
-        _atomic_write(out, lambda f: torch.save(state, f))
-        tmp = outputs[2] + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
-            warnings.simplefilter("ignore")
-            dcp.save(state, checkpoint_id=tmp, no_dist=True)
-        _commit_dcp(tmp, outputs[2], {k: manifest[k] for k in ("step", "stage", "world_size")} |
-                    {"optimizer": None, "extra": manifest["extra"]})
+        if kind == "pt":
+            _atomic_write(out, lambda f: torch.save(state, f))
+        elif kind == "safetensors":
+            from safetensors.torch import save_file
+            _atomic_write(out, lambda f: save_file(state, f.name))
+        else:
+            import torch.distributed.checkpoint as dcp
+            tmp = out.rstrip(os.sep) + ".partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+                warnings.simplefilter("ignore")
+                dcp.save(state, checkpoint_id=tmp, no_dist=True)
+            _commit_dcp(tmp, out.rstrip(os.sep), {k: manifest[k] for k in (
+                "step", "stage", "world_size")} | {"optimizer": None, "extra": manifest["extra"]})
     except (OSError, RuntimeError) as e:
-        for o in outputs:
-            _remove_quietly(o)
-        shutil.rmtree(outputs[2], ignore_errors=True)
+        if kind == "dcp":
+            shutil.rmtree(out.rstrip(os.sep) + ".partial", ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
                          f"({reason})") from None
     return manifest
 
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def _safetensors_offsets(items):  # (key, name, shape, dtype, [start, end) in the data)
-    o = 0
-    for key, name, shape, dtype in items:
-        n = _numel(shape) * dtype.itemsize
-        yield key, name, shape, dtype, (o, o + n)
-        o += n
-
-
-def _write_safetensors(f, items, tensor):
-    """The safetensors format, written by hand, tensor by tensor: a little-endian u64, the size
-    of a JSON header (every key's dtype, shape and byte range), the header, then the bytes.
-    (safetensors' own save_file() takes every tensor at once, in memory.)"""
-    header = {"__metadata__": {"format": "pt"}}
-    for key, _, shape, dtype, offsets in _safetensors_offsets(items):
-        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape,
-                       "data_offsets": list(offsets)}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    f.write(len(text).to_bytes(8, "little") + text)
-    for key, name, _, dtype in items:
-        f.write(tensor(name).contiguous().view(torch.uint8).numpy().data)
+def _own_storage(t):
+    """t, in a storage of its own that shares its memory (a slice of the memory-mapped part's
+    storage): torch.save writes a tensor's whole storage, which for a view is the whole part."""
+    s, at = t.untyped_storage(), t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=t.dtype).set_(s[at:at + t.numel() * t.element_size()], 0,
+                                             t.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1054,13 +1015,24 @@ def load_dcp(zero, path):
 
 
 def consolidate_command(args):
-    """zero.py --consolidate DIR --out FILE: bad input is a UsageError (or CheckpointError)."""
-    if not args.out:
-        raise UsageError("--consolidate needs --out FILE")
-    where = os.path.dirname(args.out) or "."
-    if os.path.isdir(args.out) or not os.path.isdir(where):
-        raise UsageError(f"--out {args.out}: " + ("is a directory" if os.path.isdir(args.out)
-                                                  else f"no directory {where}"))
+    """zero.py --consolidate DIR --out OUT: the format is OUT's name (.pt, .safetensors, .dcp or
+    an existing directory, which must be empty or a DCP checkpoint). Bad input is a UsageError
+    (or CheckpointError) before anything is written."""
+    out = args.out
+    if not out:
+        raise UsageError("--consolidate needs --out FILE (.pt, .safetensors, or .dcp)")
+    kind = "safetensors" if out.endswith(".safetensors") else "pt" if out.endswith(
+        (".pt", ".pth")) else "dcp" if out.endswith((".dcp", os.sep)) or os.path.isdir(out) \
+        else None
+    where = os.path.dirname(out.rstrip(os.sep)) or "."
+    if kind is None:
+        raise UsageError(f"--out {out}: name a .pt or .safetensors file, or a .dcp directory")
+    if os.path.isdir(out) and kind != "dcp":
+        raise UsageError(f"--out {out}: is a directory")
+    if os.path.isdir(out) and os.listdir(out) and not is_dcp(out):
+        raise UsageError(f"--out {out}: a directory that is neither empty nor a DCP checkpoint")
+    if not os.path.isdir(where):
+        raise UsageError(f"--out {out}: no directory {where}")
     if not os.path.isdir(args.consolidate):
         raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
             args.consolidate) else "no such directory") + ": --consolidate takes a "
@@ -1071,8 +1043,6 @@ def consolidate_command(args):
         raise CheckpointError(f"{args.consolidate}: no complete checkpoint of zero.py's (no "
                               "manifest.json)" + (": DCP's is read by dcp_to_torch_save"
                                                   if path else ""))
-    m = consolidate(path, args.out)
-    base = args.out[:-3] if args.out.endswith(".pt") else args.out
-    print(f"wrote {args.out}, {base}.safetensors and {base}.dcp: {len(m['keys'])} tensors, "
-          f"Ψ = {m['psi']:,}, step {m['step']} (written at stage {m['stage']} by "
-          f"{m['world_size']} rank(s), fp32 master weights)")
+    m = consolidate(path, out, kind)
+    print(f"wrote {out} ({kind}): {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
+          f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")

@@ -263,7 +263,8 @@ def _trial(args, stage, layers):
             "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
         (["--shard-size", str(args.shard_size)] if args.shard_size and stage else []) + \
         (["--backend", args.backend] if args.backend else []) + \
-        (["--device", args.device] if args.device else [])
+        (["--device", args.device] if args.device else []) + \
+        (["--data", args.data] if args.data else [])
     with torch.device("meta"):
         psi = sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
                                          args.n_head).parameters())

@@ -440,7 +440,7 @@ class LocalClip(zero.ZeRO1):
 
     def _sum_of_squares(self):
         squares = zero.DataParallel._sum_of_squares(self)  # this rank's [S] shards' squares
-        # WRONG: ZeRO1 adds up every rank's: dist.all_reduce(squares, group=self.shard_group)
+        # WRONG: ZeRO1 adds up every rank's: dist.all_reduce(squares, group=self.group)
         return squares
 
 
@@ -548,7 +548,7 @@ def token_mean_per_rank(quick):
 
 
 @mistake("bf16-reduce", "0-3", 2, "distance to the reference",
-         "zero.for_reduction (reduce_dtype: fp32 by default in mixed precision)",
+         "DataParallel._reduce_unit (reduce_dtype: fp32 by default in mixed precision)",
          "Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3\n"
          "digits before it is summed, and the sum again: every step is off. Reduce in fp32.")
 def bf16_reduce(quick):
@@ -634,9 +634,9 @@ def eval_on_rank_0(quick):
         opt = zero.wrap(model, 3, ADAMW)
         train(model, opt, 1)
         # A group of its own with a short timeout (made by every rank, as new_group must be), so
-        # that the wait ends: zero.py's stage 3 runs its collectives on opt.shard_group.
+        # that the wait ends: zero.py's stage 3 runs its collectives on opt.group.
         group = dist.new_group(timeout=timedelta(seconds=1 if quick else HANG_S))
-        opt.shard_group = group
+        opt.group = group
         start = time.perf_counter()
         try:
             if name == "right" or rank == 0:  # WRONG: `if rank == 0:` evaluates on rank 0 alone

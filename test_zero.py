@@ -270,8 +270,8 @@ def watch(model, opt):
                "untracked": max(abs(opt.meter.now[k] - m[k]) for k in ("params", "grads")),
                "gathered": sum(u.gathered for u in opt.units),
                "grads_held": sum(u.grad is not None for u in opt.units),
-               "in_flight": len(opt.in_flight.queue),
-               "prefetching": sum(u.prefetch is not None for u in opt.units)}
+               "in_flight": len(opt.in_flight),
+               "prefetching": sum(getattr(u, "prefetch", None) is not None for u in opt.units)}
         seen.update({k: max(seen[k], v) for k, v in now.items()})
     for m in model.modules():
         m.register_forward_pre_hook(sample)
@@ -289,7 +289,7 @@ def landed_only_when_waited():
     fast the other ranks and the backend's threads were. Under this, a reduction lands only where
     zero.py waits for it, so what a sample sees in flight is what zero.py chose not to wait for,
     the same on every schedule. The results do not change: reductions land in the order they were
-    issued either way (zero._land_reduced)."""
+    issued either way (zero.DataParallel._land_reductions)."""
     saved = dist.Work.is_completed
     dist.Work.is_completed = lambda self: False
     try:
@@ -1998,7 +1998,7 @@ def test_fsdp_demo_compare_end_to_end(world4_again, world2, shared):
     a = zero.training_parser("").parse_args(SMALL)
     pretrained, fresh = (zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head) for _ in range(2))
     pretrained.load_state_dict(torch.load(os.path.join(shared, "pretrained.pt"), weights_only=True))
-    data = torch.frombuffer(bytearray(open(os.path.join(HERE, "zero.py"), "rb").read()), dtype=torch.uint8).long()
+    data = zero.demo_data()
     batches = [zero.get_batch(data, 1, 0, r, 2, a.batch_size, a.seq_len, a.seed) for r in range(2)]
     with torch.no_grad():
         want, other = (sum(F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / 2
@@ -2122,7 +2122,7 @@ def test_moving_refuses_bad_input_in_one_line(world4, shared, one_rank, tmp_path
     (tmp_path / "neither").mkdir()
     (tmp_path / "neither" / "notes.txt").write_text("not a checkpoint")
     with contextlib.redirect_stdout(io.StringIO()):
-        zero.main(["--consolidate", zero_dir, "--out", str(tmp_path / "weights.pt")])  # weights only
+        zero.main(["--consolidate", zero_dir, "--out", str(tmp_path / "weights.dcp")])  # weights only
     before = sorted(os.listdir(dcp_dir))
     cases = [(zero.main, ["--resume-from", str(tmp_path / "neither")], "not a checkpoint"),
              (zero.main, ["--d-model", "32", "--resume-from", dcp_dir], "another model: tensor 'wte.weight' is [256, 16] there, [256, 32] here"),
@@ -2422,11 +2422,14 @@ def test_a_killed_rank_restarts_and_resumes_exactly(world2, shared, tmp_path):
 @pytest.fixture(scope="module")
 def one_process(world2, shared, tmp_path_factory):
     # The N = 2 stage-2 checkpoint of the straight run -> one plain state_dict (--consolidate, as
-    # zero.main runs it: no process group), then `python zero.py --init-from` it: one process,
-    # no torchrun, a stage-3 run at N = 1.
-    model_file = str(tmp_path_factory.mktemp("one") / "model.pt")
-    printed = main_printed(zero.main, ["--consolidate", os.path.join(shared, "straight"), "--out", model_file])
-    return printed, model_file, run_py("--stage", "3", *SMALL, "--init-from", model_file)
+    # zero.main runs it: no process group), in each format its --out names, then `python zero.py
+    # --init-from` the .pt: one process, no torchrun, a stage-3 run at N = 1.
+    out = tmp_path_factory.mktemp("one")
+    printed = [main_printed(zero.main, ["--consolidate", os.path.join(shared, "straight"), "--out",
+                                        str(out / name)])
+               for name in ("model.pt", "model.safetensors", "model.dcp")]
+    model_file = str(out / "model.pt")
+    return printed, str(out), run_py("--stage", "3", *SMALL, "--init-from", model_file)
 
 
 def test_cli_runs_as_one_process_without_torchrun(one_process):
@@ -2437,17 +2440,22 @@ def test_cli_runs_as_one_process_without_torchrun(one_process):
 
 def test_consolidate_and_init_from(one_process):
     # The consolidated state_dict is one that the unwrapped model loads; the --init-from run's
-    # first loss is that model's own.
-    printed, model_file, out = one_process
-    assert f"step {KILLED_STEPS} (written at stage 2 by 2 rank(s)" in printed
+    # first loss is that model's own. Each --out is one file (or DCP directory) of the format
+    # its name asks for, read by that format's own loader, and nothing else is written.
+    printed, folder, out = one_process
+    assert all(f"step {KILLED_STEPS} (written at stage 2 by 2 rank(s)" in p for p in printed)
+    assert [p.split(" (")[1].split(")")[0] for p in printed] == ["pt", "safetensors", "dcp"]
+    assert sorted(os.listdir(folder)) == ["model.dcp", "model.pt", "model.safetensors"]
+    model_file = os.path.join(folder, "model.pt")
     state = torch.load(model_file, weights_only=True)
     a = zero.training_parser("").parse_args(SMALL)  # MODEL, and the batch of the --init-from run
     model = zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head)
     model.load_state_dict(state)  # strict: every key of the model, nothing else
     assert torch.equal(state["head.weight"], state["wte.weight"])
+    assert os.path.getsize(model_file) < 4 * 1.2 * sum(t.numel() for t in state.values())  # no parts
     torch.manual_seed(a.seed)  # the weights a run starts from without --init-from
     untrained = zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head)
-    data = torch.frombuffer(bytearray(open(os.path.join(HERE, "zero.py"), "rb").read()), dtype=torch.uint8).long()
+    data = zero.demo_data()
     x, y = zero.get_batch(data, 1, 0, 0, 1, a.batch_size, a.seq_len, a.seed)
     with torch.no_grad():
         want, fresh = (F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for m in (model, untrained))
@@ -2456,9 +2464,9 @@ def test_consolidate_and_init_from(one_process):
     # the same tensors, under the same keys, as safetensors' own loader and torch's DCP converter read them
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    base = model_file[:-3]
-    dcp_to_torch_save(base + ".dcp", base + ".from-dcp.pt")
-    for other in (load_file(base + ".safetensors"), torch.load(base + ".from-dcp.pt", weights_only=True)):
+    converted = os.path.join(str(folder) + "-from-dcp.pt")
+    dcp_to_torch_save(os.path.join(folder, "model.dcp"), converted)
+    for other in (load_file(os.path.join(folder, "model.safetensors")), torch.load(converted, weights_only=True)):
         assert sorted(other) == sorted(state) and all(torch.equal(other[k], state[k]) for k in state)
 
 
@@ -2468,8 +2476,9 @@ def checkpoint_error_cases(tmp):
             (["--init-from", plain], "--init-from"), (["--init-from", os.path.join(tmp, "none.pt")], "No such file"),
             (["--consolidate", tmp], "needs --out"),
             (["--consolidate", os.path.join(tmp, "empty"), "--out", plain], "no complete checkpoint"),
-            (["--consolidate", plain, "--out", plain + ".out"], "not a directory"),
-            (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out"], "no such directory"),
+            (["--consolidate", plain, "--out", plain + ".out.pt"], "not a directory"),
+            (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out.pt"], "no such directory"),
+            (["--consolidate", ckpt, "--out", plain + ".out"], "name a .pt or .safetensors file"),
             (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
 
 
@@ -3229,7 +3238,7 @@ def test_the_manifest_is_data(abused, tmp_path):
         if changed:
             (path / "manifest.json").write_text(json.dumps({**manifest, **changed}))
         out = str(tmp_path / "out.pt")
-        for read in [checkpoints.read_checkpoint, lambda p: checkpoints.consolidate(p, out),
+        for read in [checkpoints.read_checkpoint, lambda p: checkpoints.consolidate(p, out, "pt"),
                      lambda p: zero.main(["--consolidate", str(p), "--out", out])]:
             with pytest.raises(checkpoints.CheckpointError) as e:
                 read(path)
@@ -3240,7 +3249,7 @@ def test_the_manifest_is_data(abused, tmp_path):
         with pytest.raises(zero.UsageError, match="^--out"):
             zero.main(["--consolidate", source, "--out", str(out)])
         with pytest.raises(zero.UsageError, match="cannot be written"):
-            checkpoints.consolidate(source, str(out))
+            checkpoints.consolidate(source, str(out), "pt")
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
@@ -3253,7 +3262,7 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, monkeypatch, capsys):
     if os.geteuid() == 0:  # root writes anywhere: make the check see what a user would
         real = os.access
         monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and str(p) != str(readonly))
-    size = os.path.getsize(zero.__file__)
+    size = len(zero.corpus())
     cases = [(["--bucket-mb", "1e308"], "--bucket-mb"),
              (["--seq-len", str(size - 1)], "longer than the data"),
              (["--timeout", "1e20"], "--timeout"), (["--timeout", "1e-9"], "--timeout"),
@@ -3807,7 +3816,7 @@ def activation_bytes(args, rank, world):
         model.to(torch.bfloat16)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    data = torch.frombuffer(bytearray(open(zero.__file__, "rb").read()), dtype=torch.uint8).long()
+    data = zero.demo_data()
     x, y = zero.get_batch(data, 1, 0, rank, world, args.batch_size, args.seq_len, args.seed)
     for _ in range(2):
         gc.collect()

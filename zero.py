@@ -6,7 +6,6 @@ torch.distributed collectives, in one file you can read top to bottom.
     python zero.py --stage 3                          # one rank, the same code path
     python zero.py --estimate --params 7.5e9 --world-size 64   # the paper's Figure 1, no training
     torchrun --nproc_per_node=4 --max-restarts=3 zero.py --ckpt-dir ckpt --ckpt-every 10
-    python zero.py --consolidate ckpt --out model.pt  # one plain state_dict from the shards
 
 The problem. Plain data parallelism keeps a full copy of the *model state* on every rank: the
 parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision an
@@ -36,16 +35,18 @@ Stages 1 and 2 are free in bytes: an all-reduce *is* a reduce-scatter followed b
 and ZeRO puts the optimizer step in between. Stage 3 pays 50% more, and latency: every unit
 waits for its all-gather before it computes.
 
-How to read this file. Part I is the algorithm, complete: set-up, the sharded layout (a Unit),
-the two collectives, one class per stage, each a subclass of the one before it that overrides
-what it changes, and wrap().
-Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Then see them break:
-mistakes.py runs the classic mistakes (no division by N, a ZeRO-2 that reduces after backward,
-clipping by one shard's norm...), each a one-method subclass of a stage here, beside the right
-code, and measures the damage (README, "What breaks, and why"). Part II is the
-engineering, each piece in a section of its own that Part I calls by name: speed (each
-speed-up a switch, to measure it), mixed precision, measurement, checks, checkpoints, then the
-demo model, training loop, report and command line. The stages share one interface:
+How to read this file. Part I is the algorithm, complete: the sharded layout (a Unit), the two
+collectives, one class per stage, each a subclass of the one before it that overrides what it
+changes, and wrap(). Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part
+II is what every run uses, each piece in a section of its own that Part I calls by name: the
+set-up, the units, hybrid sharding, speed (each speed-up a switch, to measure it), mixed
+precision, measurement and the formulas, checks, then the demo model, the training loop, the
+report and the command line. What is not the lesson has a file of its own: checkpoints.py
+(sharded, resharded at any stage and world size, FSDP2's DCP, safetensors), memory.py (a real
+limit per rank, the largest model each stage trains, one step's memory drawn), meta_init.py
+(models no rank can hold, built on the meta device). Then see the stages break: mistakes.py
+runs the classic mistakes beside the right code; and fsdp_demo.py the same training with
+PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2. The stages share one interface:
 
     optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     with optimizer.no_sync():           # optional: micro-batches that only accumulate (as DDP)
@@ -55,7 +56,7 @@ demo model, training loop, report and command line. The stages share one interfa
     optimizer.step(); optimizer.zero_grad()
     with optimizer.gathered():          # optional: full parameters for a moment (evaluation...)
         print(model.head.weight.norm())
-    zero.save_checkpoint(optimizer, "ckpt", step)   # sharded; loads at any stage and world size
+    checkpoints.save_checkpoint(optimizer, "ckpt", step)  # loads at any stage and world size
 
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
 Activations are not model state, and no stage here shards them.
@@ -74,31 +75,13 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `
     sys.modules.setdefault("zero", sys.modules[__name__])  # (checkpoints.py...) get this module
 
 # ===================================== PART I: THE ALGORITHM ==================================
-
-# ----------------------------------------------------------------------------------------------
-# Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
-
-def setup(backend=None, device=None, timeout_s=120):
-    """Join the process group torchrun describes, or make a group of one without torchrun.
-    Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors (see
-    choose_device). Returns (rank, world_size, device)."""
-    backend, dev = choose_device(backend, device)
-    if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
-        if "RANK" in os.environ:  # the store torchrun made (see _attempt_store, Part II)
-            dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
-                                    rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]))
-        else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-    return dist.get_rank(), dist.get_world_size(), dev
-
+# N ranks (torchrun starts them, wrap() joins them into one process group: setup), Ψ trainable
+# parameters. Every rank runs the same code on its own rows of the global batch.
 
 # ----------------------------------------------------------------------------------------------
 # The sharded layout. A Unit is a group of parameters communicated as one tensor, like FSDP's
-# FlatParameter: its parameters back to back in one flat buffer, padded with zeros to a multiple
-# of N so that it splits into N equal, contiguous shards. Rank r owns shard r.
+# FlatParameter: its parameters back to back in one flat buffer, padded with zeros to N*S
+# elements so that it splits into N equal, contiguous shards of S. Rank r owns shard r.
 #
 #   flat  [N*S]: | p0 ........ | p1 .... | p2 ............ | 0 0 |    p.data is a view into it
 #                |<- shard 0 ->|<- shard 1 ->|<- shard 2 ->|<- 3 ->|  (N = 4, S elements each)
@@ -107,37 +90,32 @@ def setup(backend=None, device=None, timeout_s=120):
 # same number of elements (to within the padding), and each collective is a single call.
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
-# units=[] everything is one unit, the root. Default: default_units(model) (Part II).
-# (Hybrid sharding: N shards of a unit over each group of N ranks, the groups replicas of each
-# other, and in this Part N is the group's size; the padding is to a multiple of the world size
-# instead, the number of parts a checkpoint is written in: see hybrid_groups.)
+# units=[] everything is one unit, the root. Default: one unit per block (default_units).
 
 class Unit:
-    def __init__(self, modules, params, rank, N, world):
+    def __init__(self, modules, params, rank, N, S=None):
         self.modules, self.params = modules, params  # modules []: the root unit (the rest)
         numel = sum(p.numel() for p in params)
-        self.S = -(-numel // world) * world // N  # numel / N, rounded up (padded: see above)
+        self.S = S or -(-numel // N)  # numel / N, rounded up (make_units may ask for more)
         self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
             self.flat[o:o + p.numel()].copy_(p.detach().flatten())
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
-        self.my_slice = slice(rank % N * self.S, (rank % N + 1) * self.S)  # shard r, of rank r
+        self.my_slice = slice(rank * self.S, (rank + 1) * self.S)  # shard r, of rank r
         self.shard = self.flat[self.my_slice]  # [S] this rank's part of the parameters
-        self.stepped = self.my_slice  # the elements this rank's optimizer steps (stage 0: all)
-        self.master = self.shard      # what the optimizer steps: the shard, or its fp32 copy
+        self.stepped = self.my_slice  # the elements this rank's optimizer steps ([S]; stage 0 all)
+        self.master = self.shard      # those elements as the optimizer steps them (or fp32 copy)
         self.grad = None              # [N*S] the full gradient, while this rank holds one
-        self.grad_shard = None        # the gradient of what it steps ([S]): summed, then / N
-        self.step_grad = None         # mixed precision: its fp32 copy, during step() only
-        # Bookkeeping: what backward has done so far, and stage 3's gathers.
-        self.arrived = 0         # its parameters given a gradient in this backward
-        self.received = set()    # ... and those given one since zero_grad() (or zeros it kept)
-        self.unreduced = False   # it holds local gradients that no reduction has summed yet
-        self.divided = False     # this backward's gradients were divided by N as copied in
-        self.hidden = set()      # stages 0, 1: unused here, so .grad None (zero_unused_grads)
-        self.users, self.gathered_at, self.prefetch = 0, 0, None  # stage 3 (ZeRO3._gather)
-        self.index = None        # its place in the model's list of units (make_units)
+        self.grad_shard = None        # the gradient of the elements stepped: summed, then / N
+        self.step_grad = None         # ... in the master's dtype, during step() only
+        # What backward has done with it so far:
+        self.arrived = 0              # its parameters given a gradient in this backward
+        self.received = set()         # ... since zero_grad(): step() steps only those
+        self.unreduced = False        # it holds local gradients that no reduction has summed yet
+        self.hidden = set()           # unused here, .grad None, summed with zeros (count_unused)
+        self.index = None             # its place in the model's list of units
 
     @property
     def gathered(self):  # stage 3 frees the flat buffer's storage while the unit is not used
@@ -151,30 +129,31 @@ class Unit:
 # The two collectives ZeRO is made of. An all-reduce is one then the other: reduce-scatter
 # (rank r receives the sum over ranks of slice r) then all-gather (every rank receives every
 # rank's slice). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, no extra memory.
+# (torch 2.13 renamed them reduce_scatter_single and all_gather_single; every torch >= 2.6 has
+# these names, which every tutorial uses.)
 
 def reduce_scatter(out, x, async_op=False, group=None):
     """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
     Only out is defined afterwards: the rest of x may have changed. (group: its ranks only.)"""
-    if _gloo_cpu(x):  # gloo's own is slow on CPU: the same bytes another way (Part II, speed)
-        return _gloo_reduce_scatter(out, x, async_op, group)
-    with renamed_quietly():  # (torch 2.13 renamed it reduce_scatter_single, and warns)
-        return dist.reduce_scatter_tensor(out, x, async_op=async_op, group=group)
+    if GlooCPU.used_for(x):  # gloo's own is slow on CPU: the same bytes another way (speed 4)
+        return GlooCPU.reduce_scatter(out, x, async_op, group)
+    return dist.reduce_scatter_tensor(out, x, async_op=async_op, group=group)
 
 
 def all_gather(out, shard, async_op=False, group=None):
     """out [N*S] = every rank's shard [S], in rank order. shard may be this rank's slice of out."""
-    if _gloo_cpu(out):
-        return _gloo_all_gather(out, shard, async_op, group)
-    with renamed_quietly():  # (torch 2.13 renamed it all_gather_single, and warns)
-        return dist.all_gather_into_tensor(out, shard, async_op=async_op, group=group)
+    if GlooCPU.used_for(out):
+        return GlooCPU.all_gather(out, shard, async_op, group)
+    return dist.all_gather_into_tensor(out, shard, async_op=async_op, group=group)
 
 
 # ----------------------------------------------------------------------------------------------
 # Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
-# the same at every stage: backward -> _on_grad puts it into its unit's flat gradient ->
-# _reduce_unit sums the unit over ranks (_reduce) -> / N, the mean (stage 0: as copied in or as
-# it lands, _land; stages 1-3: _reduce_grads) -> step() hands each optimizer tensor its slice ->
-# optimizer.step() -> _gather_params (stages 1 and 2; stage 3 gathers at the next forward).
+# the same at every stage: backward -> _on_grad copies it into its unit's flat gradient ->
+# _reduce_unit launches the unit's reduction (_reduce: the sum over ranks) -> it lands (_land)
+# -> / N, the mean (stage 0: as it lands; stages 1-3: in _reduce_grads) -> step() hands each
+# optimizer tensor its slice -> optimizer.step() -> _gather_params (stages 1 and 2; stage 3
+# gathers at the next forward).
 
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
@@ -185,25 +164,28 @@ class DataParallel:
     stage = 0
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
 
-    def __init__(self, model, optimizer, units=None, param_dtype=None, init=None, **settings):
-        self.model, self.rank = model, dist.get_rank()
-        # wrap()'s settings, the units (default_units: one per block), the same on every rank
-        # (Part II). self.N: the ranks a unit is cut over, all (hybrid sharding: G, see above).
-        self.units = configure(self, model, units, param_dtype, settings)
-        for unit in materialize(self, init):  # (a meta-device model: allocated unit by unit)
+    def __init__(self, model, optimizer, **options):
+        self.model = model
+        # wrap()'s options, the units (default: one per block), the meter, the same on every
+        # rank (Part II). It sets self.N, the number of ranks a unit is cut over, and
+        # self.group, their process group (None: torch's default group, every rank).
+        self.units = configure(self, model, options)
+        self.in_flight = []  # reductions launched, not landed yet: (work, unit, where it lands)
+        for unit in materialize(self):  # (a meta-device model: allocated unit by unit)
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
-            fp32 = cast(unit, param_dtype)  # mixed precision: unit.flat becomes a param_dtype copy
+            fp32 = cast(unit, self.param_dtype)  # mixed precision: the model computes in bf16
             self._shard(unit)
             unit.master = fp32[unit.stepped].clone() if self.mixed_precision else unit.shard
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
-        replicate_the_rest(self, param_dtype)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps flat pieces of this rank's masters (optimizer_pieces). Exact for
-        # element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each element's update depends
-        # on its own gradient and state only. NOT for those that look at whole tensors (LAMB,
-        # LARS, Shampoo, Muon: a piece may hold slices of some), nor per-parameter groups.
-        self.optimizer = optimizer(optimizer_pieces(self))  # (speed 4: the pieces)
+        replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
+        # The optimizer steps flat pieces of this rank's masters, views of them (optimizer_pieces,
+        # speed 3). Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each
+        # element's update depends on its own gradient and state only. NOT for those that look at
+        # whole tensors (LAMB, LARS, Shampoo, Muon: a piece may hold slices of some), nor for
+        # per-parameter groups.
+        self.optimizer = optimizer(optimizer_pieces(self))
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
@@ -223,16 +205,17 @@ class DataParallel:
             self._sync = True
 
     def _on_grad(self, unit, p):
-        check_gradient(self, p)  # not sparse, not after step() (checks)
-        queue_end_of_backward(self)  # autograd's queue_callback: _end_of_backward, below
-        if unit.arrived == 0:  # its first gradient in this backward: / N now? (stage 0, speed 2)
-            unit.divided = divides_while_copying(self, unit)
+        check_gradient(self, p)  # not sparse, not after step() without zero_grad() (checks)
+        self._queue_end_of_backward()
         # Into the unit's flat gradient: one buffer, one collective per unit. Stages 0 and 1 keep
         # p.grad as a view into it (DDP's gradient_as_bucket_view), where the next backward adds
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
         if p.grad.data_ptr() != view.data_ptr():
-            copy_in(self, unit, p, view)  # its values (/ N while copying: speed 2; see there)
+            if p in unit.hidden and p not in unit.received:  # it holds the others' mean:
+                view.add_(p.grad.detach())  # add to it, as torch adds to a .grad
+            else:
+                view.copy_(p.grad.detach())
         p.grad = view if self.keeps_full_grads else None
         unit.unreduced, unit.arrived = True, unit.arrived + 1
         unit.received.add(p)  # step() steps only what got a gradient on some rank
@@ -240,6 +223,11 @@ class DataParallel:
             self._reduce_unit(unit)
 
     def _reduce_in_backward(self): return self.overlap and self._sync  # stages 0, 1: to overlap
+
+    def _queue_end_of_backward(self):  # _end_of_backward runs once autograd has finished this
+        if not self._end_queued:       # backward, all of it (autograd's queue_callback, as DDP)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
 
     def _end_of_backward(self):
         # Once autograd finishes a backward: units with a parameter unused (no gradient) are
@@ -249,14 +237,27 @@ class DataParallel:
             if unit.unreduced and self._reduce_in_backward():
                 self._reduce_unit(unit)
             unit.arrived = 0
-        self.in_flight.land()  # the end of backward is where overlap waits
+        self._land_reductions()  # the end of backward is where overlap waits
 
     def _reduce_unit(self, unit):
-        zero_unused_grads(self, unit)  # stages 0, 1: a parameter without one counts 0 (checks)
-        g = for_reduction(self, unit.grad)  # the buffer, or its copy in reduce_dtype
+        count_unused(self, unit)  # stages 0, 1: a parameter without a gradient counts as zeros
+        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)  # (fp32)
         unit.unreduced = False
-        # Launched asynchronously; lands in _land now, or later with overlap (speed: InFlight)
-        self.in_flight.launch(unit, *self._reduce(unit, g))
+        work, result = self._reduce(unit, g)  # launched: it runs while backward goes on
+        self.in_flight.append((work, unit, result))
+        self.meter.event("reduction launched", unit)  # (measurement: what it holds in flight)
+        self._land_reductions(wait=not self.overlap)  # overlap=False: land it now
+
+    def _land_reductions(self, wait=True):
+        # Oldest first, the same order as without overlap, so the sums are the same: with wait,
+        # every one; else those beyond max_in_flight (all at stage 0, whose all-reduces need no
+        # memory of their own; one from stage 1 on, whose buffers do: speed 1) and those done.
+        while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
+                                  or self.in_flight[0][0].is_completed()):
+            work, unit, result = self.in_flight.pop(0)
+            work.wait()
+            self._land(unit, result)
+            self.meter.event("reduction landed", unit)  # the buffers it used are let go
 
     def _reduce(self, unit, g):  # -> (the collective's work, where its result lands)
         # meter.sent: the bytes sent (measurement), and the fingerprint check_step_agrees checks
@@ -266,7 +267,7 @@ class DataParallel:
     def _land(self, unit, g):
         # Every rank holds the sum over ranks: / N, the mean. Accumulating (without no_sync)
         # adds to it, and reducing again is still right: (N·mean + new sum) / N = mean + new mean.
-        unit.grad.copy_(g if unit.divided else g.div_(self.N))
+        unit.grad.copy_(g.div_(self.N))  # (g is unit.grad itself unless it is a copy)
 
     def _reduce_grads(self):
         # clip_grad_norm_() and step() start here: reduce what backward did not, land the rest
@@ -276,17 +277,18 @@ class DataParallel:
             if unit.unreduced:
                 self._reduce_unit(unit)
             else:
-                zero_unused_grads(self, unit)  # (reduced in backward; or no gradient at all)
-        self.in_flight.land()
-        # The ranks reduced the same units (checks); the parameters some rank gave a gradient:
-        self.with_grad = check_step_agrees(self)  # the others are not stepped (.grad None)
-        settle_unused(self)  # .grad of those unused here (stages 0, 1), their pieces (checks)
+                count_unused(self, unit)  # (reduced in backward; or no gradient at all)
+        self._land_reductions()
+        # The ranks reduced the same units (checks); which parameters got a gradient on some
+        # rank: step() steps those only, as torch skips a parameter whose .grad is None.
+        self.with_grad = check_step_agrees(self)
         self._reduced = True
 
     def _sum_of_squares(self):
-        # Every rank holds the whole averaged gradient: its squares are the global ones.
-        return sum(torch.linalg.vector_norm(u.grad_shard, dtype=_wide_dtype(u.grad_shard)) ** 2
-                   for u in self.units)  # (in fp32 at least: bf16 squares overflow and round)
+        # Every rank holds the whole averaged gradient: its squares are the global ones (in fp32
+        # at least: bf16 squares overflow and round)
+        return sum(torch.linalg.vector_norm(u.grad_shard, dtype=torch.promote_types(
+            u.grad_shard.dtype, torch.float32)) ** 2 for u in self.units)
 
     def clip_grad_norm_(self, max_norm):
         """torch's clip_grad_norm_ on the unsharded model: returns the global norm before."""
@@ -299,10 +301,10 @@ class DataParallel:
 
     def step(self):
         self._reduce_grads()
-        # The hand-off: the optimizer steps pieces of each unit's master (optimizer_pieces), and
-        # a piece's .grad is the same slice of grad_shard, the mean gradient (an fp32 copy in
-        # mixed precision). None where no rank gave its parameters one (settle_unused cut apart
-        # the pieces that mix both), as torch skips such a tensor.
+        # The hand-off: the optimizer steps pieces of each unit's master (views of it), and a
+        # piece's .grad is the same slice of grad_shard, the mean gradient (an fp32 copy in
+        # mixed precision); None where no rank gave its parameters one, as torch skips such a
+        # tensor (a piece holds parameters of one kind: check_step_agrees cuts apart any other).
         for u in self.units:
             u.step_grad = u.grad_shard.to(u.master.dtype)  # (the same tensor if not mixed)
             grads = u.step_grad.split([t.numel() for t in u.pieces])
@@ -318,7 +320,7 @@ class DataParallel:
     def zero_grad(self, set_to_none=True):  # as torch's: .grad None, or zeros (set_to_none=False)
         for u in self.units:
             # As DDP, no pass over the buffer: the next backward's gradients overwrite it, and
-            # zero_unused_grads zeroes what none does. Zeros (set_to_none=False; stages 2 and 3
+            # count_unused zeroes what none does. Zeros (set_to_none=False; stages 2 and 3
             # always) are kept in the buffer or the shard, which backward then adds to.
             if self.keeps_full_grads and set_to_none:
                 for p in u.params:
@@ -329,8 +331,8 @@ class DataParallel:
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface: full parameters for a moment and measurement (Part II), and
-    # checkpoints (checkpoints.py, a file of its own, imported by the first call that needs it).
+    # The rest of the interface: full parameters for a moment (Part II), and checkpoints
+    # (checkpoints.py, a file of its own, imported by the first call that needs it).
     def gathered(self, modules=None, writeback=False): return gathered(self, modules, writeback)
     def memory_breakdown(self): return self.meter.breakdown()
     def state_dict(self): return _checkpoints().checkpoint_part(self)
@@ -361,8 +363,8 @@ class ZeRO1(DataParallel):
         # Half the all-reduce (the other half comes after the step, on the parameters), in
         # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
         self.meter.sent("reduce_scatter", g, unit)
-        work = reduce_scatter(g[unit.my_slice], g, async_op=True, group=self.shard_group)
-        return across_replicas(self, work, g[unit.my_slice], unit), g[unit.my_slice]  # (hybrid)
+        mine = g[unit.my_slice]
+        return reduce_scatter(mine, g, async_op=True, group=self.group), mine
 
     def _land(self, unit, summed):
         # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer, values
@@ -378,17 +380,16 @@ class ZeRO1(DataParallel):
             super()._reduce_grads()
             for unit in self.units:
                 unit.grad_shard.div_(self.N)  # the sum over the N ranks -> the mean
-                # (with hybrid sharding, across_replicas kept 1/(world/N) of the sum over all)
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
-        dist.all_reduce(squares, group=self.shard_group)  # the N shards hold the whole model
+        dist.all_reduce(squares, group=self.group)  # the N shards hold the whole model
         self.meter.sent("all_reduce", squares, ranks=self.N)
         return squares
 
     def _gather_params(self):
         for unit in self.units:  # in place: this rank's stepped shard is a slice of flat
-            all_gather(unit.flat, unit.shard, group=self.shard_group)
+            all_gather(unit.flat, unit.shard, group=self.group)
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("all-gather after the step", unit)
 
@@ -400,7 +401,7 @@ class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
     its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (one reduction
-    in flight at a time from stage 1 on: InFlight.limit). Memory 2Ψ + 14Ψ/N (paper);
+    in flight at a time from stage 1 on: max_in_flight). Memory 2Ψ + 14Ψ/N (paper);
     communication unchanged, but the reduce-scatters must run during backward (stage 1 runs
     them there only to overlap, with overlap=True).
 
@@ -453,37 +454,30 @@ class ZeRO3(ZeRO2):
 
     stage = 3
 
-    def __init__(self, model, optimizer, **kwargs):
+    def __init__(self, model, optimizer, **options):
         # No buckets: the unit is what a module gathers to compute, so it stays as the user chose.
-        super().__init__(model, optimizer, **{**kwargs, "bucket_bytes": 0})
-        # Which units each module computes with. Usually just its own; a module whose weight is
-        # tied to another unit's (an output head sharing the embedding) needs that unit too.
-        owner = {p: u for u in self.units for p in u.params}
-        needs = {m: list(dict.fromkeys(owner[p] for p in own_parameters(m, self.unit_modules)
-                                       if p in owner)) for m in [model] + self.unit_modules}
-        self.prefetcher = Prefetch(self)  # speed: gathers the next unit while this one computes
-        guard_sharded_parameters(self)  # reading a freed parameter: an error, not a crash (checks)
-        for module, units in needs.items():
-            if units:
-                module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
-                module.register_forward_hook(functools.partial(self._post_forward, units))
+        super().__init__(model, optimizer, **{**options, "bucket_bytes": 0})
+        self.prefetcher = Prefetch(self)  # speed 1: gathers the next unit while one computes
+        guard_sharded_parameters(self)  # reading a freed parameter: an error, not a crash
+        # The units each module computes with: its own, and any it shares a weight with (an
+        # output head tied to the embedding needs the embedding's unit too): make_units.
+        for module, units in self.computes_with.items():
+            module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
+            module.register_forward_hook(functools.partial(self._post_forward, units))
 
     def _shard(self, unit):
         super()._shard(unit)
         unit.shard = unit.shard.clone()  # [S] in storage of its own: it survives the free
+        unit.users, unit.prefetch = 0, None  # the modules computing with it; an all-gather's work
         self._free(unit)
 
     def _gather(self, unit, prefetch=False):
         if not unit.gathered:  # a new block, on the compute stream (CUDA streams: Part II)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch,
-                                       group=self.shard_group)  # N x [S]; a Work if async
+                                       group=self.group)  # N x [S]; a Work if async
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("gather", unit)
-            unit.gathered_at = self.steps
-        elif unit.gathered_at != self.steps:  # a unit kept from before step(): stale values
-            raise RuntimeError(f"zero: unit {unit.index} was gathered before the last "
-                               "step() and still is: a forward that did not finish?")
         if unit.prefetch is not None and not prefetch:  # needed now: wait for the prefetch
             unit.prefetch.wait()
             unit.prefetch = None
@@ -501,16 +495,16 @@ class ZeRO3(ZeRO2):
         self.meter.event("free", unit)
 
     def _pre_forward(self, units, module, args):
-        if torch._C._current_graph_task_id() != -1:  # in backward: a checkpointed module's
-            return self._recompute(units)            # forward, run again (activation checkpointing)
+        if recomputing(self, units):  # activation checkpointing: a forward again in backward
+            return
         for u in units:
             u.users += 1
             self._gather(u)
         self.prefetcher.forward_started(units)  # and the units of the module computing next
 
     def _post_forward(self, units, module, args, output):
-        if torch._C._current_graph_task_id() != -1:
-            return  # the end of a recomputation (it may not run at all: see _recompute)
+        if recomputing():
+            return
         call = self.prefetcher.forward_done()  # this module's place in the order of gathers
         training = torch.is_grad_enabled()
         tensors = [t for t in output_tensors(output) if t.requires_grad]  # (Part II, units)
@@ -529,15 +523,6 @@ class ZeRO3(ZeRO2):
         for u in units:
             self._gather(u)
         self.prefetcher.backward_started(call)  # and those of the module before it
-
-    def _recompute(self, units):
-        # torch.utils.checkpoint runs a module's forward again in backward, to recompute what it
-        # did not save. Its forward hook may never run (non-reentrant checkpointing stops the
-        # forward once it has what it needs), so users are not counted: the units stay gathered
-        # until their gradient is reduced, as after _pre_backward.
-        queue_end_of_backward(self)  # on this backward, not on a nested one (reentrant)
-        for u in units:
-            self._gather(u)
 
     def _reduce_unit(self, unit):
         super()._reduce_unit(unit)
@@ -570,22 +555,16 @@ def _grad_hook(zero_ref, i, p):
 STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
-def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=None, overlap=True,
-         bucket_bytes=0, check_steps=True, shard_size=None, init=None, device=None,
-         buffers="none"):
+def wrap(model, stage, optimizer, **options):
     """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
-    default process group and return the optimizer to train it with. optimizer: builds a torch
-    optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3). The other
-    arguments (units, mixed precision, speed, checks, hybrid sharding, meta-device models) are
-    described one by one at the top of Part II, "wrap()'s options"."""
+    default process group (setup() makes one if there is none) and return the optimizer to train
+    it with. optimizer: builds a torch
+    optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3). options: units,
+    mixed precision, speed, checks, hybrid sharding, models built on the meta device, each
+    described where it is declared (Options, at the top of Part II)."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
-    if not dist.is_initialized():
-        setup()
-    return STAGES[stage](model, optimizer, units=units, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype, overlap=overlap, bucket_bytes=bucket_bytes,
-                         check_steps=check_steps, shard_size=shard_size, init=init, device=device,
-                         buffers=buffers)
+    return STAGES[stage](model, optimizer, **options)
 
 
 # =================================== PART II: THE ENGINEERING =================================
@@ -593,62 +572,123 @@ def wrap(model, stage, optimizer, units=None, param_dtype=None, reduce_dtype=Non
 # call runs, so a class above may use a function defined here.
 
 # ----------------------------------------------------------------------------------------------
-# wrap()'s options, one by one (configure() puts them on the stage object):
-#   optimizer      builds a torch optimizer from a list of tensors, e.g.
-#                  partial(torch.optim.AdamW, lr=1e-3); the torch optimizer itself is
-#                  `.optimizer` (attach LR schedulers to that).
-#   units          the modules communicated as one (stage 3 gathers them one by one);
-#                  default_units(model).
-#   param_dtype    e.g. torch.bfloat16: compute in it, keep fp32 masters (mixed precision).
-#   reduce_dtype   of the gradient reductions (default float32 in mixed precision).
-#   overlap        reduce during backward, prefetch in stage 3 (speed 1).
-#   bucket_bytes   stages 0-2 cut the parameters into buckets of this many bytes, walking back
-#                  from the last parameter, merging small units and splitting large ones at
-#                  parameter boundaries (speed 3; 0: every unit is its own bucket); stage 3
-#                  ignores it.
-#   check_steps    one 16-byte all-reduce per step that stops ranks that communicated different
-#                  units before anything is applied (check_step_agrees; the same bytes say
-#                  whether some parameter got no gradient, which step() then leaves alone).
-#   shard_size     G, hybrid sharding: stages 1-3 shard over groups of G consecutive ranks and
-#                  replicate over the N/G groups (hybrid_groups; default: all ranks).
-#   buffers        "none" (default): each rank keeps its own buffers after wrap() (as FSDP), so
-#                  those a forward updates (BatchNorm's running statistics) drift apart;
-#                  "broadcast": rank 0's to every rank before each forward with gradients on,
-#                  as DDP's broadcast_buffers (sync_buffers).
-#   init, device   for a model built under torch.device("meta"), initialized in place one unit
-#                  at a time on `device` (default: this rank's GPU under NCCL, else the CPU) as
-#                  model.apply(init) would (default: each module's reset_parameters());
-#                  see materialize().
+# Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
 
-SETTINGS = dict(reduce_dtype=None, overlap=True, bucket_bytes=0, check_steps=True,
-                shard_size=None, device=None, buffers="none")
+def setup(backend=None, device=None, timeout_s=120):
+    """Join the process group torchrun describes, or make a group of one without torchrun.
+    Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors (see
+    choose_device). Returns (rank, world_size, device)."""
+    backend, dev = choose_device(backend, device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
+        if "RANK" in os.environ:  # the store torchrun made (see _attempt_store)
+            dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), dev
 
 
-def configure(zero, model, units, param_dtype, settings):
-    """DataParallel's set-up that is not the algorithm: wrap()'s settings on the object, the
-    units, where the model lives, Ψ, measurement, the checks that every rank has the same model
-    and settings, and hybrid sharding's groups. Returns the units."""
-    unknown = sorted(set(settings) - set(SETTINGS))
-    if unknown:
-        raise TypeError(f"{type(zero).__name__}() got an unexpected keyword argument "
-                        f"{unknown[0]!r}")
-    s = {**SETTINGS, **settings}
-    zero.overlap, zero.bucket_bytes, zero.check_steps = s["overlap"], s["bucket_bytes"], \
-        s["check_steps"]
-    if s["buffers"] not in ("broadcast", "none"):
-        raise ValueError(f"zero: buffers must be 'broadcast' or 'none', not {s['buffers']!r}")
-    zero.buffers = s["buffers"]
-    zero.world = dist.get_world_size()
-    zero.N = s["shard_size"] or zero.world  # Part I's N: with hybrid sharding, G (below)
-    zero.mixed_precision = param_dtype is not None
-    zero.reduce_dtype = s["reduce_dtype"] or (torch.float32 if zero.mixed_precision else None)
-    zero.units = make_units(zero, model, units)
-    zero.device = build_device(zero, s["device"])  # the model's, or where a meta model is built
+def choose_device(backend, device):
+    """setup()'s defaults: NCCL when every local rank has a GPU of its own, else gloo on CPU
+    tensors. gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several
+    ranks share one GPU; NCCL refuses that. Returns (backend, torch.device)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count()
+    if device is None:
+        device = "cuda" if backend != "gloo" and 0 < local_world <= gpus else "cpu"
+    if backend is None:
+        backend = "nccl" if device == "cuda" and local_world <= gpus else "gloo"
+    if device == "cuda" and gpus == 0:
+        raise UsageError("--device cuda, but no CUDA GPU is visible")
+    if backend == "nccl" and (device != "cuda" or local_world > gpus):
+        raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
+                         f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
+    dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return backend, dev
+
+
+def _attempt_store(timeout):
+    """The key-value store torchrun describes (what init_process_group's env:// would use), its
+    keys prefixed by the restart attempt. Gotcha: after torchrun --max-restarts restarts a failed
+    group, the store still holds the old ranks' gloo addresses, and a new rank that reads one
+    before its new owner overwrites it waits for ever to connect to a dead process."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                          is_master=not agent and os.environ["RANK"] == "0")
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+
+
+# ----------------------------------------------------------------------------------------------
+# wrap()'s options, each declared once, here (configure() puts them on the stage object). The
+# optimizer itself, a torch optimizer over the pieces (speed 3), is `.optimizer`: attach LR
+# schedulers to that.
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    units: list = None         # the modules communicated as one (stage 3 gathers them one by
+                               # one); default_units(model)
+    param_dtype: torch.dtype = None   # e.g. torch.bfloat16: compute in it, keep fp32 masters
+    reduce_dtype: torch.dtype = None  # of the gradient reductions (default fp32 with param_dtype)
+    overlap: bool = True       # reduce during backward, prefetch in stage 3 (speed 1)
+    bucket_bytes: int = 0      # stages 0-2 cut the parameters into buckets of this many bytes,
+                               # merging small units and splitting large ones (speed 2; 0: every
+                               # unit its own bucket); stage 3 ignores it
+    check_steps: bool = True   # one 16-byte all-reduce per step that stops ranks that communicated
+                               # different units before anything is applied (check_step_agrees)
+    shard_size: int = None     # G, hybrid sharding: stages 1-3 shard over groups of G consecutive
+                               # ranks and replicate over the N/G groups (default: all ranks)
+    buffers: str = "none"      # "none": each rank keeps its own buffers after wrap() (as FSDP), so
+                               # those a forward updates (BatchNorm's statistics) drift apart;
+                               # "broadcast": rank 0's to every rank before each forward with
+                               # gradients on, as DDP's broadcast_buffers
+    init: object = None        # a model built under torch.device("meta"): init(module) for each
+    device: object = None      # module, unit by unit, on device (default: this rank's GPU under
+                               # NCCL, else the CPU), as model.apply(init) (meta_init.py)
+
+
+AGREED = ("param_dtype", "reduce_dtype", "overlap", "check_steps", "N", "buffers")  # every rank's
+
+
+def configure(zero, model, options):
+    """DataParallel's set-up that is not the algorithm: wrap()'s options on the object (an
+    unknown one is a TypeError, as for any function), the units, where the model lives, Ψ,
+    measurement, the checks that every rank has the same model and options, and hybrid
+    sharding. Returns the units."""
+    if not dist.is_initialized():
+        setup()
+    o = Options(**options)
+    for f in dataclasses.fields(o):
+        setattr(zero, f.name, getattr(o, f.name))
+    if zero.buffers not in ("broadcast", "none"):
+        raise ValueError(f"zero: buffers must be 'broadcast' or 'none', not {zero.buffers!r}")
+    zero.rank, zero.world = dist.get_rank(), dist.get_world_size()
+    zero.N = zero.shard_size or zero.world  # hybrid sharding: G (and its groups, below)
+    zero.group = zero.replica_group = None
+    zero.mixed_precision = zero.param_dtype is not None
+    zero.reduce_dtype = zero.reduce_dtype or (torch.float32 if zero.mixed_precision else None)
+    zero.units = make_units(zero, model, o.units)
+    zero.device = build_device(zero, zero.device)  # the model's, or where a meta model is built
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
-    zero.in_flight, zero.meter = InFlight(zero), Meter(zero)  # (speed; measurement)
+    zero.meter = Meter(zero)
+    # Speed 1: how many reductions may be in flight. Stage 0's all-reduces work in place, with no
+    # memory of their own, so as DDP it leaves them all in flight, unless each reduces a copy in
+    # reduce_dtype (mixed precision: all in flight at once would add up to a second, fp32
+    # gradient). From stage 1 on, as FSDP2, one at a time (stage 2 holds a full-unit buffer for
+    # each, gloo's all-to-all a receive buffer): launching the next waits for the last.
+    copies = any(zero.reduce_dtype not in (None, zero.param_dtype or u.flat.dtype)
+                 for u in zero.units)
+    zero.max_in_flight = 1 if zero.stage > 0 or copies else len(zero.units)
     zero.forwards = count_forwards(model)  # (gathered() refuses to run inside one)
-    check_ranks_agree(zero, param_dtype)  # every rank has the same model and settings
-    zero.shard_group, zero.replica_group = hybrid_groups(zero)  # without hybrid: None, None
+    check_ranks_agree(zero)  # every rank has the same model and options
+    if zero.N < zero.world:
+        make_hybrid(zero)
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
     return zero.units
 
@@ -723,11 +763,21 @@ def make_units(zero, model, modules):
     for _, params in groups:  # one flat buffer holds one dtype on one device
         if any((p.dtype, p.device) != (params[0].dtype, params[0].device) for p in params):
             raise ValueError("zero: the parameters of one unit must share dtype and device")
-    units = [Unit(mods, params, zero.rank, zero.N, zero.world) for mods, params in groups]
+    # Hybrid sharding pads each unit to a multiple of the world size, the number of parts a
+    # checkpoint is written in: a shard of S elements is then R = N/G whole parts.
+    R = zero.world // zero.N
+    units = [Unit(mods, params, zero.rank % zero.N, zero.N,
+                  S=-(-sum(p.numel() for p in params) // zero.world) * R if R > 1 else None)
+             for mods, params in groups]
     for i, unit in enumerate(units):
         unit.index = i
         for p in unit.params:
             p._zero_unit = weakref.ref(unit)  # wrapped (and, at stage 3, where its values live)
+    # The units each module computes with (stage 3 gathers them around its forward): those of
+    # its own parameters, and of any it shares with another unit (a head tied to the embedding).
+    owner = {p: u for u in units for p in u.params}
+    zero.computes_with = {m: units_of for m in [model] + modules if (units_of := list(
+        dict.fromkeys(owner[p] for p in own_parameters(m, modules) if p in owner)))}
     return units
 
 
@@ -771,21 +821,13 @@ def replicated(model):
     return frozen + list(model.named_buffers())
 
 
-def queue_end_of_backward(zero):
-    """Have zero._end_of_backward() run once autograd has finished the backward running now
-    (once per backward: autograd's queue_callback, as DDP does)."""
-    if not zero._end_queued:
-        torch.autograd.Variable._execution_engine.queue_callback(zero._end_of_backward)
-        zero._end_queued = True
-
-
-def replicate_the_rest(zero, param_dtype):
+def replicate_the_rest(zero):
     """What no unit holds, whole on every rank: rank 0's frozen parameters and buffers (seeds
     may differ), in param_dtype with mixed precision, as the units compute."""
     for _, t in replicated(zero.model):
         dist.broadcast(t.data, src=0)
     if zero.mixed_precision:
-        cast_frozen_and_inputs(zero.model, zero.unit_modules, param_dtype)
+        cast_frozen_and_inputs(zero.model, zero.unit_modules, zero.param_dtype)
     if zero.buffers == "broadcast":
         zero.model.register_forward_pre_hook(functools.partial(_broadcast_buffers,
                                                                weakref.ref(zero)))
@@ -829,15 +871,15 @@ def build_device(zero, device):
     return device
 
 
-def materialize(zero, init):
+def materialize(zero):
     """The units, each ready to be sharded (wrap's loop): a model built normally has every unit
     already; one built on the meta device has each allocated and initialized in turn, just
     before it is handed out (meta_init.py, a file of its own)."""
     zero.meter.event("building")
     if zero.units[0].flat.is_meta:
         import meta_init
-        return meta_init.materialize(zero, init)
-    if init is not None:
+        return meta_init.materialize(zero, zero.init)
+    if zero.init is not None:
         raise ValueError("zero: init is for a model built on the meta device; this one is "
                          "initialized already")
     return zero.units
@@ -857,82 +899,64 @@ def materialize(zero, init):
 # A step: reduce-scatter within the shard group, all-reduce of the shard across the replica
 # group, the optimizer on the shard, all-gather within the shard group.
 
-_GROUPS = {}  # (the default process group, G) -> every rank's groups: new_group is a collective
+# How: the stage's class becomes one made of it and Hybrid (make_hybrid), whose one override,
+# _reduce, adds the all-reduce across groups to each reduce-scatter; and self.group, the group
+# every other collective of Part I runs over, is this rank's shard group.
+
+class Hybrid:
+    """A stage with hybrid sharding: Part I's N is G, the ranks of a shard group."""
+
+    def _reduce(self, unit, g):
+        # After the reduce-scatter within the shard group, when its work is waited for, the
+        # all-reduce of this rank's [S] sum across its replica group: the sum over all N ranks,
+        # of which each of the R = N/G ranks holding this shard keeps 1/R, so step() divides by
+        # G. Why not the sum itself: at stage 1 it stays in the gradient buffer, which a later
+        # backward (accumulating without no_sync) reduces again, and the R replicas would then
+        # add it up R times; their R parts add up to it once.
+        work, mine = super()._reduce(unit, g)
+        R = self.world // self.N
+        self.meter.sent("all_reduce across groups", mine, unit, ranks=R)
+
+        def finish():
+            dist.all_reduce(mine, group=self.replica_group)
+            mine.div_(R)
+        # Never landed early, only where Part I waits: landing starts a blocking all-reduce
+        # across groups, and every rank must start those at the same point of its program, or
+        # two groups wait on each other for ever.
+        return _Pending([work], finish, early=False), mine
 
 
-def hybrid_groups(zero):
-    """(this rank's shard group, its replica group). With G = N: the default group, and no
-    replicas (None, None). Every rank makes every group, in the same order, once per process."""
-    N, G = zero.world, zero.N  # (Part I's N is G here)
-    if G == N:
-        return None, None
-    key = (id(dist.distributed_c10d._get_default_group()), G)
-    if key not in _GROUPS:
+def make_hybrid(zero):
+    """configure(), with shard_size G < N: this rank's shard group and replica group, and the
+    stage's class with Hybrid's override."""
+    zero.group, zero.replica_group = hybrid_groups(zero.world, zero.rank, zero.N)
+    if not isinstance(zero, Hybrid):
+        zero.__class__ = _HYBRID.setdefault(type(zero), type(
+            f"Hybrid{type(zero).__name__}", (Hybrid, type(zero)), {}))
+
+
+_HYBRID = {}  # a stage's class -> its hybrid class
+_GROUPS = {}  # G -> (the default group they were made in, every rank's shard and replica groups)
+
+
+def hybrid_groups(N, rank, G):
+    """(this rank's shard group, its replica group). Every rank makes every group, in the same
+    order (new_group is a collective), once per default group: a process that destroys its
+    group and makes a new one (a test pool, the CUDA runs) makes them again."""
+    default = dist.distributed_c10d._get_default_group()
+    if G not in _GROUPS or _GROUPS[G][0] is not default:  # (held: its id is not reused)
         shards = [dist.new_group(list(range(g * G, (g + 1) * G))) for g in range(N // G)]
         replicas = [dist.new_group(list(range(i, N, G))) for i in range(G)]
-        _GROUPS[key] = shards, replicas
-    shards, replicas = _GROUPS[key]
-    return shards[zero.rank // G], replicas[zero.rank % G]
-
-
-def across_replicas(zero, work, mine, unit):
-    """After the reduce-scatter within the shard group (work), the all-reduce of this rank's
-    [S] sum across its replica group, when work is waited for: the sum over all N ranks, of
-    which each of the R = N/G ranks holding this shard keeps 1/R, so step() divides by G.
-    Why not the sum itself: at stage 1 it stays in the gradient buffer, which a later backward
-    (accumulating without no_sync) reduces again, and the R replicas would then add it up R
-    times; their R parts add up to it once."""
-    if zero.replica_group is None:
-        return work
-    R = zero.world // zero.N
-    zero.meter.sent("all_reduce across groups", mine, unit, ranks=R)
-
-    def finish():
-        dist.all_reduce(mine, group=zero.replica_group)
-        mine.div_(R)
-    return _Pending([work], finish)
+        _GROUPS[G] = default, shards, replicas
+    _, shards, replicas = _GROUPS[G]
+    return shards[rank // G], replicas[rank % G]
 
 
 # ----------------------------------------------------------------------------------------------
 # Speed 1, overlap: communicate while autograd computes (overlap=False, --no-overlap: wait for
 # each collective where it is issued, no prefetch). With async_op=True a collective runs on the
-# backend's own thread while backward goes on computing the next unit's gradients.
-
-class InFlight:
-    """The reductions launched during backward whose results are not used yet, oldest first."""
-
-    def __init__(self, zero):
-        self.zero, self.queue, self._limit = zero, [], None
-
-    def limit(self):
-        # Stage 0's all-reduces work in place, with no memory of their own, so as DDP it leaves
-        # them all in flight, unless each reduces a copy in reduce_dtype (mixed precision: all in
-        # flight at once would add up to a second, fp32 gradient). From stage 1 on, as FSDP2, one
-        # at a time (stage 2 holds a full-unit buffer for each, gloo's all-to-all a receive
-        # buffer): launching the next waits for the last.
-        if self._limit is None:
-            copies = any(reduces_a_copy(self.zero, u) for u in self.zero.units)
-            self._limit = 1 if self.zero.stage > 0 or copies else len(self.zero.units)
-        return self._limit
-
-    def launch(self, unit, work, result):
-        self.queue.append((work, unit, result))
-        self.zero.meter.event("reduction launched", unit)  # with what it holds in flight
-        self.land(wait=not self.zero.overlap)
-
-    def land(self, wait=True):
-        # Oldest first, the same order as without overlap, so the sums are the same. Landing one
-        # early because it happens to be complete is timing: with hybrid sharding landing starts
-        # a blocking all-reduce across groups, and every rank must start those at the same
-        # point of its program, or two groups wait on each other for ever.
-        early = self.zero.replica_group is None
-        while self.queue and (wait or len(self.queue) > self.limit()
-                              or early and self.queue[0][0].is_completed()):
-            work, unit, result = self.queue.pop(0)
-            work.wait()
-            self.zero._land(unit, result)
-            self.zero.meter.event("reduction landed", unit)  # the buffers it used are let go
-
+# backend's own thread while backward goes on computing the next unit's gradients; Part I keeps
+# the reductions in flight (DataParallel._land_reductions), Prefetch the all-gathers of stage 3.
 
 class Prefetch:
     """Stage 3's overlap: while a module computes, gather the units of the module that computes
@@ -979,35 +1003,8 @@ class Prefetch:
 # it safe.
 
 
-def copy_in(zero, unit, p, view):
-    """A new p.grad, p's whole gradient so far, into its view of the unit's flat gradient
-    (DataParallel._on_grad): copied, or divided by N as it is copied (divides_while_copying);
-    or added to what the view holds, where that is a mean of the other ranks' gradients that
-    this rank's p.grad did not show (unit.hidden: zero_unused_grads), as torch adds a new
-    gradient to an existing .grad."""
-    scale = 1 / zero.N if unit.divided else 1
-    if p in unit.hidden and p not in unit.received:
-        view.add_(p.grad.detach(), alpha=scale)
-    elif unit.divided:
-        torch.mul(p.grad.detach(), scale, out=view)
-    else:
-        view.copy_(p.grad.detach())
-
-
-def divides_while_copying(zero, unit):
-    # Speed 2, as DDP: at stage 0, if the buffer holds nothing yet (no gradient since
-    # zero_grad()) and is all-reduced in this backward, divide by N while copying gradients in
-    # (copy_in). The all-reduce then sums means, and the separate pass of / N
-    # after it, a whole pass over the gradient, is saved. (Sum of x/N or sum / N: the same bits
-    # when N is a power of two, else within rounding.) Not for a reduction of a copy in
-    # reduce_dtype: that divides as it lands. Not from stage 1 on: the sum stays a sum until
-    # step() (ZeRO1._land says why).
-    return zero.stage == 0 and not unit.received and zero._reduce_in_backward() and \
-        not reduces_a_copy(zero, unit)
-
-
 def buckets(groups, bucket_bytes):
-    # Speed 3, buckets (bucket_bytes, --bucket-mb): a collective has a fixed cost (latency, a
+    # Speed 2, buckets (bucket_bytes, --bucket-mb): a collective has a fixed cost (latency, a
     # launch, a sync with the slowest rank) on top of its bytes, so many small units are slow to
     # reduce one by one, and one huge unit is reduced only once backward is done with all of it.
     # With bucket_bytes, stages 0-2 cut the parameters into buckets of their own, as DDP's 25 MB
@@ -1034,7 +1031,7 @@ def buckets(groups, bucket_bytes):
     return [([], b) for b in reversed(out)]  # in model order, as units are
 
 
-# Speed 4, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
+# Speed 3, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
 # torch's for-loop Adam passes over each tensor about ten times (weights, gradient, m, v, two
 # temporaries): with 128K-element (512 kB in fp32) pieces, a piece's weights, gradient, m and
 # v take 2 MB, one core's L2 cache here, and most passes read the caches, not memory. Measured
@@ -1107,7 +1104,7 @@ def split_pieces(zero, units):
         zero.optimizer.param_groups[0]["params"] = [p for u in zero.units for p in u.pieces]
 
 
-# Speed 5, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
+# Speed 4, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
 # all_gather_into_tensor are slow on CPU, slower than its own all-reduce, which does both halves
 # (fsdp_demo.py --bench times all three, and the README's benchmark shows them). So on gloo with
 # CPU tensors zero.py does the same another way, sending the same (N-1)/N per rank:
@@ -1124,27 +1121,22 @@ DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # be
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
 # old names. The old names are the ones every torch >= 2.6 has (and every tutorial uses), so we
-# keep them and silence just that warning, around each call: a filter set once at import is
-# undone by whoever resets the warning filters later (pytest does, for every test).
+# keep them and silence just that warning. (pytest resets the filters for every test: the
+# tests' conftest.py sets the same.)
 RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-
-
-@contextlib.contextmanager
-def renamed_quietly():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
-        yield
+warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
 
 
 class _Pending:
-    """What an async reduce_scatter/all_gather returns: a handle like torch's Work, waiting for
-    all the calls it is made of and then finishing on this rank (the local sum, or a copy)."""
+    """What an async collective made of several calls returns: a handle like torch's Work,
+    waiting for all the calls and then finishing on this rank (the local sum, or a copy). early:
+    whether it may land as soon as its calls are complete (_land_reductions)."""
 
-    def __init__(self, works, finish=None, buffers=()):
-        self.works, self.finish, self.buffers = works, finish, buffers
+    def __init__(self, works, finish=None, buffers=(), early=True):
+        self.works, self.finish, self.buffers, self.early = works, finish, buffers, early
 
     def is_completed(self):
-        return all(w.is_completed() for w in self.works)
+        return self.early and all(w.is_completed() for w in self.works)
 
     def wait(self):
         for w in self.works:
@@ -1154,36 +1146,40 @@ class _Pending:
         self.works, self.finish, self.buffers = [], None, ()
 
 
-def _gloo_cpu(x):
-    return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
+class GlooCPU:
+    """Part I's reduce_scatter and all_gather on gloo with CPU tensors (DIRECT)."""
 
+    @staticmethod
+    def used_for(x):
+        return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
 
-def _gloo_reduce_scatter(out, x, async_op, group=None):
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # rank j of the group: ranks[j]
-    S, rank, world = out.numel(), ranks.index(dist.get_rank()), len(ranks)
-    if x.numel() * x.element_size() <= A2A_BYTES:
-        received = torch.empty_like(x)  # row j: rank j's slice for this rank
-        work = dist.all_to_all_single(received, x, async_op=True, group=group)
-        finish = lambda: torch.sum(received.view(world, S), 0, out=out)  # noqa: E731
-        pending = _Pending([work], finish, [received])
-    else:
-        works = [dist.reduce(x[j * S:(j + 1) * S], dst=ranks[j], async_op=True, group=group)
-                 for j in range(world)]
-        mine = x[rank * S:(rank + 1) * S]  # the sum lands here
-        pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else
-                           lambda: out.copy_(mine))
-    return pending if async_op else pending.wait()
+    @staticmethod
+    def reduce_scatter(out, x, async_op, group=None):
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # rank j: ranks[j]
+        S, rank, world = out.numel(), ranks.index(dist.get_rank()), len(ranks)
+        if x.numel() * x.element_size() <= A2A_BYTES:
+            received = torch.empty_like(x)  # row j: rank j's slice for this rank
+            work = dist.all_to_all_single(received, x, async_op=True, group=group)
+            finish = lambda: torch.sum(received.view(world, S), 0, out=out)  # noqa: E731
+            pending = _Pending([work], finish, [received])
+        else:
+            works = [dist.reduce(x[j * S:(j + 1) * S], dst=ranks[j], async_op=True, group=group)
+                     for j in range(world)]
+            mine = x[rank * S:(rank + 1) * S]  # the sum lands here
+            pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else
+                               lambda: out.copy_(mine))
+        return pending if async_op else pending.wait()
 
-
-def _gloo_all_gather(out, shard, async_op, group=None):
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    S, rank = shard.numel(), ranks.index(dist.get_rank())
-    if shard.data_ptr() != out[rank * S:].data_ptr():
-        out[rank * S:(rank + 1) * S].copy_(shard)
-    works = [dist.broadcast(out[j * S:(j + 1) * S], src=ranks[j], async_op=True, group=group)
-             for j in range(len(ranks))]
-    pending = _Pending(works)
-    return pending if async_op else pending.wait()
+    @staticmethod
+    def all_gather(out, shard, async_op, group=None):
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        S, rank = shard.numel(), ranks.index(dist.get_rank())
+        if shard.data_ptr() != out[rank * S:].data_ptr():
+            out[rank * S:(rank + 1) * S].copy_(shard)
+        works = [dist.broadcast(out[j * S:(j + 1) * S], src=ranks[j], async_op=True, group=group)
+                 for j in range(len(ranks))]
+        pending = _Pending(works)
+        return pending if async_op else pending.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1213,15 +1209,6 @@ def cast_frozen_and_inputs(model, unit_modules, dtype):
 
 def _cast_inputs(dtype, module, args):
     return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-
-
-def for_reduction(zero, grad):
-    """The gradient as it is reduced: in reduce_dtype, a copy if that differs."""
-    return grad if zero.reduce_dtype is None else grad.to(zero.reduce_dtype)  # no copy if equal
-
-
-def reduces_a_copy(zero, unit):  # for_reduction() copies this unit's gradient into reduce_dtype
-    return zero.reduce_dtype not in (None, unit.flat.dtype)
 
 
 def after_step(zero):
@@ -1289,7 +1276,7 @@ class Meter:
     def unit_bytes(self, unit):
         # No two units share a storage, so what a rank holds is the sum of what each unit holds:
         # its parameters and gradients, with what its reduction in flight holds.
-        flying = [t for w, u, mine in self.zero.in_flight.queue if u is unit
+        flying = [t for w, u, mine in self.zero.in_flight if u is unit
                   for t in (mine, *getattr(w, "buffers", ()))]
         grads = [g for g in (unit.grad, unit.grad_shard, unit.step_grad) if g is not None]
         return Counter(params=_nbytes([unit.flat, unit.shard]), grads=_nbytes(grads + flying))
@@ -1412,40 +1399,6 @@ class UsageError(Exception):
     """Bad input from the command line or the environment: printed as one line, exit code 2."""
 
 
-def choose_device(backend, device):
-    """setup()'s defaults: NCCL when every local rank has a GPU of its own, else gloo on CPU
-    tensors. gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several
-    ranks share one GPU; NCCL refuses that. Returns (backend, torch.device)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpus = torch.cuda.device_count()
-    if device is None:
-        device = "cuda" if backend != "gloo" and 0 < local_world <= gpus else "cpu"
-    if backend is None:
-        backend = "nccl" if device == "cuda" and local_world <= gpus else "gloo"
-    if device == "cuda" and gpus == 0:
-        raise UsageError("--device cuda, but no CUDA GPU is visible")
-    if backend == "nccl" and (device != "cuda" or local_world > gpus):
-        raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
-                         f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
-    dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return backend, dev
-
-
-def _attempt_store(timeout):
-    """The key-value store torchrun describes (what init_process_group's env:// would use), its
-    keys prefixed by the restart attempt. Gotcha: after torchrun --max-restarts restarts a failed
-    group, the store still holds the old ranks' gloo addresses, and a new rank that reads one
-    before its new owner overwrites it waits for ever to connect to a dead process."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), timeout=timeout,
-                          is_master=not agent and os.environ["RANK"] == "0")
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-
-
 def _all_ranks(row, device, dtype=torch.int64):
     """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather."""
     mine = torch.tensor(row, dtype=dtype, device=device)
@@ -1497,14 +1450,12 @@ def _digest(x):
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
-def check_ranks_agree(zero, param_dtype):
-    # Fail fast. Ranks that built another model, chose another stage or another setting that
+def check_ranks_agree(zero):
+    # Fail fast. Ranks that built another model, chose another stage or another option that
     # changes what is communicated would hang in a collective whose sizes differ, or exchange
     # garbage. So the first collective is a small one every rank can make: each of them.
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
-    settings = dict(param_dtype=param_dtype, reduce_dtype=zero.reduce_dtype,
-                    overlap=zero.overlap, check_steps=zero.check_steps, shard_size=zero.N,
-                    buffers=zero.buffers)
+    settings = {"shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
               **{k: _digest(v) for k, v in settings.items()}}
     rows = _all_ranks(list(fields.values()), zero.device)
@@ -1522,7 +1473,9 @@ def check_ranks_agree(zero, param_dtype):
 
 def check_step_agrees(zero):
     """The parameters that got a gradient on some rank since zero_grad(), a set: step() steps
-    those only. Checks first that every rank communicated the same units (check_steps)."""
+    those only (and their .grad and pieces are settled: settle_unused). Checks first that every
+    rank communicated the same units (check_steps), and that no unit of stage 3 is still in use
+    by a forward that did not finish (its gathered values would go stale)."""
     # Ranks that computed with different units of the same size (a forward that branches on
     # the rank, or on data) pair the wrong buffers in their collectives, and nothing fails. So
     # every rank keeps a fingerprint of the collectives it made on which units (Meter.sent),
@@ -1537,6 +1490,10 @@ def check_step_agrees(zero):
     # all-reduce, of a byte per parameter (MAX: "on any rank"), say which. Over every rank,
     # hybrid sharding too. check_steps=False pays that one every step, and the check nothing.
     refuse_unfrozen(zero)
+    for u in zero.units:
+        if getattr(u, "users", 0):
+            raise RuntimeError(f"zero: unit {u.index} is still gathered by a forward that did not "
+                               "finish (or a gathered() block): step() would leave it stale")
     params = [p for u in zero.units for p in u.params]
     got = [p in u.received for u in zero.units for p in u.params]
     device, missing = zero.units[0].flat.device, not all(got)
@@ -1555,7 +1512,7 @@ def check_step_agrees(zero):
         zero.meter.sent("all_reduce", t)
         got = t.tolist()
     zero.meter.trace = 0
-    return {p for p, g in zip(params, got) if g}
+    return settle_unused(zero, {p for p, g in zip(params, got) if g})
 
 
 def check_gradient(zero, p):
@@ -1569,7 +1526,22 @@ def check_gradient(zero, p):
         raise sparse_gradient_error(zero, p)
 
 
-def zero_unused_grads(zero, unit):
+def recomputing(zero=None, units=()):
+    """Whether a module's forward runs inside a backward: torch.utils.checkpoint running it
+    again to recompute what it did not save (activation checkpointing). Its forward hook may
+    never run (non-reentrant checkpointing stops the forward once it has what it needs), so at
+    stage 3 users are not counted: the units are gathered (zero._gather) and stay so until their
+    gradient is reduced, as after _pre_backward."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    if zero is not None:
+        zero._queue_end_of_backward()  # on this backward, not on a nested one (reentrant)
+        for u in units:
+            zero._gather(u)
+    return True
+
+
+def count_unused(zero, unit):
     """Stages 0 and 1, before a unit is reduced: a parameter with no gradient since zero_grad()
     (unused here) still has last step's values in its slice of the buffer: zero them, so that
     the reduction counts this rank's as zero. Its .grad stays None, as torch leaves it; the
@@ -1586,19 +1558,20 @@ def zero_unused_grads(zero, unit):
                 unit.received.discard(p)  # (a .grad of zeros kept by zero_grad, set to None since)
 
 
-def settle_unused(zero):
-    """Once the per-step check knows which parameters no rank gave a gradient (zero.with_grad):
+def settle_unused(zero, with_grad):
+    """Once the per-step check knows which parameters no rank gave a gradient (with_grad):
     p.grad of each parameter this rank did not use is the mean it holds in the buffer if some
     rank used it, None (as torch) if none did (stages 0, 1); and a unit with a piece that holds
     parameters of both kinds gets pieces per parameter (split_pieces), so that step() skips
     exactly those."""
     for u in zero.units:
-        for p in u.hidden & zero.with_grad:
+        for p in u.hidden & with_grad:
             p.grad = u.view(u.grad, p)
             u.received.add(p)  # (it has a .grad: zero_grad(set_to_none=False) keeps it)
         u.hidden.clear()
     split_pieces(zero, [u for u in zero.units if any(
-        not zero.with_grad.isdisjoint(o) and not zero.with_grad.issuperset(o) for o in u.owners)])
+        not with_grad.isdisjoint(o) and not with_grad.issuperset(o) for o in u.owners)])
+    return with_grad
 
 
 def guard_conversions(model):
@@ -1745,8 +1718,37 @@ def layout(zero):
 
 
 # ----------------------------------------------------------------------------------------------
-# The demo model and data: a small byte-level GPT trained on the bytes of this very file, so that
-# nothing is downloaded and the loss visibly falls from ln(256) = 5.55 within a minute on CPU.
+# The demo model and data: a small byte-level GPT, trained on text made here (corpus), so that
+# nothing is downloaded and the loss visibly falls from ln(256) = 5.55 within a minute on CPU;
+# --data FILE trains on any file's bytes instead.
+
+SUBJECTS = ["every rank", "rank 0", "the last rank", "each shard", "the optimizer", "the unit"]
+VERBS = ["holds", "gathers", "reduces", "steps", "frees", "sends", "keeps", "scatters"]
+OBJECTS = ["its own shard", "the full gradient", "one unit", "the fp32 master", "every block",
+           "the sum over ranks", "the mean", "a slice of the buffer", "the parameters"]
+ENDINGS = [" before the step", " during backward", " after the forward", " at once", ""]
+
+
+def corpus(size=1 << 17):
+    """`size` bytes of sentences drawn from the lists above by a fixed linear congruential
+    generator: the same text on every machine, every torch and Python, whatever else changes
+    in this file (the losses the README quotes stay true)."""
+    x, out, n = 12345, [], 0
+    while n < size:
+        words = []
+        for choices in (SUBJECTS, VERBS, OBJECTS, ENDINGS):
+            x = (x * 1103515245 + 12345) % 2**31
+            words.append(choices[(x >> 16) % len(choices)])
+        out.append(f"{words[0]} {words[1]} {words[2]}{words[3]}.\n")
+        n += len(out[-1])
+    return "".join(out).encode()[:size]
+
+
+def demo_data(path=None):
+    """The bytes the demo trains on, int64 in [0, 256): the file at `path` (--data), or corpus()."""
+    raw = corpus() if path is None else open(path, "rb").read()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
 
 class Block(nn.Module):
     def __init__(self, d_model, n_head):
@@ -1890,13 +1892,13 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, progress
     torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
     net, opt, label = (build or zero_build(args))(model, device)
     progress.track(model)
-    data = torch.frombuffer(bytearray(open(__file__, "rb").read()), dtype=torch.uint8).long()
+    data = demo_data(args.data)
     log = (lambda *a, **k: None) if quiet else log0
     log(box([("run", label),
              ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
              ("Ψ", f"{opt.psi:,} trainable parameters"),
              ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
-                       f"bytes of {os.path.basename(__file__)}"),
+                       f"bytes of {os.path.basename(args.data) if args.data else 'corpus()'}"),
              ("dtype, optimizer",
               "bfloat16 compute, float32 master weights and reductions, AdamW" if args.bf16
               else "float32, AdamW (state m, v: 8 bytes per parameter)"),
@@ -2031,7 +2033,8 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, progress
 def data_position(args, world):
     """What decides which rows step k trains on; equal in a resumed run means the same batches."""
     return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
-            "grad_accum": args.grad_accum, "data": os.path.basename(__file__)}
+            "grad_accum": args.grad_accum,
+            "data": os.path.basename(args.data) if args.data else "corpus"}
 
 
 def read_state_dict(path):
@@ -2252,6 +2255,8 @@ def training_parser(description):
     p.add_argument("--d-model", type=positive(int), default=64, help="width")
     p.add_argument("--n-head", type=positive(int), default=4, help="attention heads")
     p.add_argument("--seq-len", type=positive(int), default=64, help="bytes per row")
+    p.add_argument("--data", metavar="FILE",
+                   help="train on this file's bytes (default: corpus(), text made by zero.py)")
     p.add_argument("--batch-size", type=positive(int), default=8,
                    help="rows per rank per micro-batch")
     p.add_argument("--grad-accum", type=positive(int), default=1,
@@ -2322,10 +2327,12 @@ def check_args(args):
     if args.max_memory is not None and args.max_memory < MIN_MEMORY:  # (glibc then aborts)
         raise UsageError(f"--max-memory {args.max_memory:,} bytes leaves no room for the threads "
                          f"the runtime still starts (their stacks count): at least 1MB")
-    size = os.path.getsize(__file__)  # the data: this file's bytes; a row is seq_len + 1 of them
+    if args.data is not None and not (os.path.isfile(args.data) and os.access(args.data, os.R_OK)):
+        raise UsageError(f"--data {args.data}: not a file that can be read")
+    size = os.path.getsize(args.data) if args.data else len(corpus())  # a row: seq_len + 1 bytes
     if args.seq_len > size - 2:
         raise UsageError(f"--seq-len {args.seq_len} is longer than the data allows: at most "
-                         f"{size - 2} ({os.path.basename(__file__)} has {size} bytes)")
+                         f"{size - 2} ({args.data or 'corpus()'} has {size} bytes)")
     return args
 
 
