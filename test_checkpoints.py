@@ -1,0 +1,795 @@
+"""Tests for checkpoints.py: a checkpoint written by N ranks at one stage is read by M ranks at
+another, exactly; the files are atomic, rotated, one job per directory, and checked before
+anything changes; --consolidate writes one plain state_dict in the format its name asks for.
+The multi-rank scenarios run on conftest.py's pool; the tests right after each read its results.
+
+What the README claims of checkpoints, and the tests that check it:
+
+- Resume is exact: test_resume_from_state_dict_is_exact (and torch's convention,
+  opt.load_state_dict(opt.state_dict()) on the same ranks), test_a_killed_rank_restarts_and_
+  resumes_exactly, test_a_model_in_two_dtypes_resumes_exactly (float64 masters),
+  test_checkpoints_with_bf16_compute_and_without_optimizer_state,
+  test_parameters_stepped_apart_checkpoint_exactly (parameters without a gradient in some steps).
+- Resharding (a checkpoint of N ranks at one stage loads at M ranks at another, with hybrid
+  sharding too): test_reshard_keeps_every_parameter_and_optimizer_value,
+  test_reshard_trains_on_as_if_nothing_changed,
+  test_hybrid_checkpoints_load_at_any_shard_size_stage_and_world.
+- Consolidation, one format per --out: test_consolidate_and_init_from (torch.load, safetensors'
+  load_file, DCP's dcp_to_torch_save), test_cli_runs_as_one_process_without_torchrun.
+- Refused in one line before anything changes: test_bad_checkpoints_are_refused_before_anything_
+  changes, test_checkpoint_errors_are_one_line, test_the_manifest_is_data.
+- Under abuse: test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not,
+  test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank,
+  test_nonfinite_steps_are_never_applied_nor_saved, test_resume_applies_the_command_lines_lr,
+  test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names,
+  test_a_failed_manifest_write_leaves_the_previous_checkpoint,
+  test_overwriting_a_checkpoint_of_the_same_step_is_atomic,
+  test_a_dcp_checkpoint_saved_again_takes_its_name_in_one_step.
+
+No assertion depends on how fast anything runs: the killed rank kills itself right after a
+given checkpoint, not from outside at whatever step it has reached.
+"""
+import contextlib
+import functools
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import checkpoints
+import zero
+from conftest import (B, CASES, CKPT, CUDA_RUNS, SMALL, STEPS, TINY, Net, full_checkpoint, launcher_script,
+                      losses, main_printed, main_refused, run_id, run_py, run_steps, scenario, wrapped)
+from test_zero import TASKS_OPTIMIZER, Tasks, TwoDtypes, tasks_reference, tasks_steps, two_dtypes_steps
+
+RUNS = [("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS]
+
+# ----------------------------------------------------------------------------------------------
+# torch's convention, opt.load_state_dict(opt.state_dict()), and a checkpoint on disk, on the same
+# ranks: exact
+
+@scenario(1, 2, 4, cuda=(1, 2, 4))
+def resumed(rank, world):
+    out, rows = {}, slice(rank * B, (rank + 1) * B)  # this rank's rows of every global batch
+    for stage in range(4):
+        model, opt = wrapped(rank, stage, "adamw", seed=100)  # 3 steps straight
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS)
+        straight = opt.full_state_dict()
+        # Resume: 1 step, a checkpoint on disk, a fresh model with other weights loads it, 2 more
+        # steps; against the uninterrupted 3 steps.
+        root = os.path.join(os.environ["ZERO_TEST_TMP"], f"resume-N{world}-{stage}")
+        model, opt = wrapped(rank, stage, "adamw", seed=100)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, 1)
+        checkpoints.save_checkpoint(opt, root, 1)
+        # torch's convention on the same ranks: opt.load_state_dict(opt.state_dict()) undoes a step
+        own = opt.state_dict()
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, 1, start=1)
+        moved = opt.full_state_dict()
+        opt.load_state_dict(own)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS - 1, start=1)
+        own_resumed = opt.full_state_dict()
+        try:  # another rank's part, or another stage's, is refused
+            opt.load_state_dict(dict(own, rank=(rank + 1) % world) if world > 1 else
+                                dict(own, layout=dict(own["layout"], stage=stage - 1)))
+            refused = None
+        except checkpoints.CheckpointError as e:
+            refused = str(e)
+        model, opt = wrapped(rank, stage, "adamw", seed=500)
+        checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS - 1, start=1)
+        out[(stage, "resume")] = {"straight": straight,
+                                  "resumed": opt.full_state_dict(), "own": own_resumed,
+                                  "moved": moved, "refused": refused}
+
+    return out
+
+
+@pytest.mark.parametrize("run", RUNS, ids=run_id)
+@pytest.mark.parametrize("stage", range(4))
+def test_resume_from_state_dict_is_exact(ran, run, stage):
+    results = ran(resumed, run[1], run[0])
+    for res in results:
+        r = res[(stage, "resume")]
+        for name, t in r["straight"].items():
+            assert torch.equal(t, r["resumed"][name]), name
+            assert torch.equal(t, r["own"][name]), name  # opt.load_state_dict(opt.state_dict())
+        assert any(not torch.equal(t, r["moved"][n]) for n, t in r["straight"].items() if "frozen" not in n)
+        assert r["refused"] and "load_checkpoint" in r["refused"]
+
+
+@scenario(2)
+def stepped_apart(rank, world):
+    rows = slice(rank * B, (rank + 1) * B)
+    # Checkpoints when parameters were stepped different numbers of times: after step 0 (aux and
+    # rare never stepped: no optimizer state) at stage 3, loaded at stage 1, steps 1 and 2, saved
+    # (aux stepped once, rare and first.weight twice, the rest three times), loaded at stage 0,
+    # step 3: as the uninterrupted runs.
+    root = os.path.join(os.environ["ZERO_TEST_TMP"], "tasks")
+    model = Tasks()
+    opt = zero.wrap(model, 3, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux])
+    tasks_steps(model, opt, rows, world, range(1))
+    checkpoints.save_checkpoint(opt, root, 1)
+    for stage, steps in [(1, range(1, 3)), (0, range(3, 4))]:
+        model = Tasks(seed=500 + rank)  # other weights, on each rank
+        opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux])
+        checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
+        tasks_steps(model, opt, rows, world, steps)
+        if stage == 1:
+            checkpoints.save_checkpoint(opt, root, 3)
+    return opt.full_state_dict()
+
+
+def test_parameters_stepped_apart_checkpoint_exactly(ran, shared):
+    # Stage 3 -> stage 1 -> stage 0, where parameters have no optimizer state (step 1: aux and
+    # rare never got a gradient) or another step count than the rest (step 3): each parameter's
+    # is saved by name, and the run goes on as the uninterrupted one.
+    for res in ran(stepped_apart, 2):
+        for name, t in tasks_reference(2).items():
+            assert (res[name] - t).abs().max().item() <= 1e-5, name
+    steps = lambda ckpt: {n: int(s["step"]) for n, s in full_checkpoint(os.path.join(shared, "tasks", ckpt))["scalars"].items()}
+    names = set(tasks_reference(2))
+    assert steps("step_00000001") == {n: 1 for n in names if not n.startswith(("aux", "rare"))}
+    fewer = {"aux.weight": 1, "aux.bias": 1, "rare.weight": 2, "rare.bias": 2, "first.weight": 2}
+    assert steps("step_00000003") == {n: fewer.get(n, 3) for n in names}
+    state = full_checkpoint(os.path.join(shared, "tasks", "step_00000001"))
+    assert all(state[key, "aux.weight"].abs().sum() == 0 for key in ("exp_avg", "exp_avg_sq"))  # no state: zeros
+
+
+@scenario(3)
+def two_dtypes_resumed(rank, world):
+    # A model in two dtypes, bucketed (one bucket per dtype), resumed from a checkpoint after
+    # step 1: the same bits, float64 masters included
+    out, rows = {}, slice(rank * B, (rank + 1) * B)
+    for stage in range(3):
+        root = os.path.join(os.environ["ZERO_TEST_TMP"], f"two-dtypes-N{world}-{stage}")
+        runs = []
+        for steps in (range(2), range(1), range(1, 2)):  # straight; to the checkpoint; from it
+            model = TwoDtypes()
+            opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), bucket_bytes=1 << 20)
+            if steps.start == 1:
+                checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
+            two_dtypes_steps(model, opt, rows, world, steps)
+            if steps.stop == 1:
+                checkpoints.save_checkpoint(opt, root, 1)
+            runs.append(opt.full_state_dict())
+        out[stage] = (runs[0], runs[2])
+    return out
+
+
+def test_a_model_in_two_dtypes_resumes_exactly(ran):
+    for res in ran(two_dtypes_resumed, 3):
+        for stage in range(3):
+            straight, resumed = res[stage]
+            assert straight["a.weight"].dtype == torch.float64 and straight["b.weight"].dtype == torch.float32
+            assert all(torch.equal(straight[n], resumed[n]) for n in straight), stage
+
+
+@scenario(4, cuda=(4,))
+def hybrid_checkpoints(rank, world):
+    out, rows, G = {}, slice(rank * B, (rank + 1) * B), 2
+    # Checkpoints: written with G = 2 at stage 3, read with G = 4 at stage 1 and with G = 1 at
+    # stage 2, trained on: as 4 uninterrupted steps. And load_state_dict(state_dict()) at G = 2.
+    root = os.path.join(os.environ["ZERO_TEST_TMP"], "hybrid")
+    case = "adamw"
+    model, opt = wrapped(rank, 3, case, seed=100, shard_size=G)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 4)
+    out["straight"] = opt.full_state_dict()
+    model, opt = wrapped(rank, 3, case, seed=100, shard_size=G)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
+    checkpoints.save_checkpoint(opt, root, 2)
+    out["saved"] = opt.full_state_dict()
+    out["files"] = sorted(os.listdir(checkpoints.latest_checkpoint(root)))
+    for name, stage, shard_size in [("G4", 1, None), ("G1", 2, 1)]:
+        model, opt = wrapped(rank, stage, case, seed=500, shard_size=shard_size)
+        checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
+        out[name + " loaded"] = opt.full_state_dict()
+        run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
+        out[name] = opt.full_state_dict()
+    model, opt = wrapped(rank, 2, case, seed=100, shard_size=G)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2)
+    own = opt.state_dict()
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 1, start=2)
+    opt.load_state_dict(own)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, 2, start=2)
+    out["own"] = opt.full_state_dict()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["cpu", "cuda-gloo", "cuda-nccl"])
+def test_hybrid_checkpoints_load_at_any_shard_size_stage_and_world(ran, transport):
+    for res in ran(hybrid_checkpoints, 4, transport):
+        assert res["files"] == ["manifest.json"] + [f"rank_{r:05d}.pt" for r in range(4)]
+        for n, t in res["straight"].items():
+            assert torch.equal(t, res["own"][n]), n  # the same G and stage: bit for bit
+            for name in ("G4", "G1"):  # every value loaded exactly; trained on at another G and
+                assert torch.equal(res["saved"][n], res[name + " loaded"][n]), (name, n)
+                assert (t - res[name][n]).abs().max().item() <= 1e-5, (name, n)  # stage: rounding
+
+
+# ----------------------------------------------------------------------------------------------
+# Resharding: written by N ranks at one stage, read by M ranks at another
+
+ROWS = 12  # global rows per micro-batch in the resharding runs, split evenly over 2 or 4 ranks
+
+
+def train_rows(model, opt, rank, world, steps, start):
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, ROWS // B, steps, start=start)
+
+
+@scenario(4)
+def reshard_write(rank, world):
+    # N = 4, stage 3, the optimizer handed pieces of 7 elements: 2 steps, checkpoint, 2 more steps.
+    zero.PIECE = {"cpu": 7, "cuda": 7}
+    model, opt = wrapped(rank, 3, "adamw", seed=100)
+    train_rows(model, opt, rank, world, 2, 0)
+    checkpoints.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2, extra={"note": "from N=4"})
+    train_rows(model, opt, rank, world, 2, 2)
+    return opt.full_state_dict()
+
+
+def _load_fresh(rank, stage, path, **kwargs):
+    model, opt = wrapped(rank, stage, "adamw", seed=500 + rank, **kwargs)  # other weights on each rank
+    manifest = checkpoints.load_checkpoint(opt, path)
+    return model, opt, manifest
+
+
+@scenario(2, 4, reads=reshard_write, chain=True)
+def reshard_read(rank, world):
+    # Load the N = 4 stage-3 checkpoint at this world size into every stage (pieces of 5), write it
+    # again at once, then train on. Then the checkpoints that must be refused.
+    tmp, out = os.environ["ZERO_TEST_TMP"], {}
+    if world == 2:
+        if rank == 0:
+            damage_copies(tmp)  # copies of the N = 4 checkpoint, each damaged one way
+        dist.barrier()
+    zero.PIECE = {"cpu": 5, "cuda": 5}
+    source = os.path.join(tmp, "a" if world == 2 else "b1", "step_00000002")
+    for stage in range(4):
+        model, opt, manifest = _load_fresh(rank, stage, source)
+        checkpoints.save_checkpoint(opt, os.path.join(tmp, f"{'b' if world == 2 else 'c'}{stage}"), 2)
+        train_rows(model, opt, rank, world, 2, 2)
+        out[stage] = {"full": opt.full_state_dict(), "extra": manifest["extra"]}
+    if world == 2:
+        # bf16 compute, fp32 masters: loading and saving again keeps every fp32 value
+        model, opt, _ = _load_fresh(rank, 2, source, param_dtype=torch.bfloat16)
+        checkpoints.save_checkpoint(opt, os.path.join(tmp, "bf16"), 2)
+        # an optimizer without state (plain SGD): a round trip at stage 3 is exact
+        plain = functools.partial(torch.optim.SGD, lr=0.1)
+        model = Net(seed=100)
+        opt = zero.wrap(model, 3, plain)
+        train_rows(model, opt, rank, world, 1, 0)
+        checkpoints.save_checkpoint(opt, os.path.join(tmp, "sgd"), 1)
+        fresh = zero.wrap(Net(seed=7), 3, plain)
+        checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(os.path.join(tmp, "sgd")))
+        out["sgd"] = (opt.full_state_dict(), fresh.full_state_dict())
+        out["refused"] = {}
+        for bad in ["corrupt", "truncated", "missing", "incomplete"]:
+            model, opt = wrapped(rank, 2, "adamw", seed=100)
+            before = opt.full_state_dict()
+            try:
+                checkpoints.load_checkpoint(opt, os.path.join(tmp, bad, "step_00000002"))
+                out["refused"][bad] = None
+            except checkpoints.CheckpointError as e:
+                out["refused"][bad] = str(e)
+            after = opt.full_state_dict()
+            out.setdefault("unchanged", []).append(all(torch.equal(before[n], after[n]) for n in before))
+        others = {"another model": lambda: zero.wrap(nn.Sequential(nn.Linear(4, 4)), 2, CASES["adamw"]["optimizer"]),
+                  "another optimizer": lambda: wrapped(rank, 2, "sgd", seed=100)[1]}
+        for what, build in others.items():
+            try:
+                checkpoints.load_checkpoint(build(), source)
+                out["refused"][what] = None
+            except checkpoints.CheckpointError as e:
+                out["refused"][what] = str(e)
+    return out
+
+
+def damage_copies(tmp):
+    """Copies of the N = 4 checkpoint "a", each damaged one way, for reshard_read to refuse."""
+    step = os.path.join(tmp, "a", "step_00000002")
+    for bad in ["corrupt", "truncated", "missing", "incomplete"]:
+        shutil.copytree(step, os.path.join(tmp, bad, "step_00000002"))
+    damaged = lambda bad, r=2: os.path.join(tmp, bad, "step_00000002", f"rank_0000{r}.pt")
+    data = bytearray(open(damaged("corrupt"), "rb").read())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, in the middle of a tensor's data
+    open(damaged("corrupt"), "wb").write(data)
+    os.truncate(damaged("truncated", 3), os.path.getsize(damaged("truncated", 3)) - 100)
+    os.remove(damaged("missing", 1))
+    os.remove(os.path.join(tmp, "incomplete", "step_00000002", "manifest.json"))
+
+
+@pytest.fixture(scope="module")
+def resharded(ran, shared):
+    two, two_rank1 = ran(reshard_read, 2)
+    four = ran(reshard_read, 4)[0]
+    states = {name: full_checkpoint(os.path.join(shared, name, "step_00000002"))
+              for name in ["a", "bf16"] + [f"{x}{s}" for x in "bc" for s in range(4)]}
+    return {"straight": ran(reshard_write, 4)[0], "two": two, "four": four, "states": states,
+            "two_rank1": two_rank1}
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_reshard_keeps_every_parameter_and_optimizer_value(resharded, stage):
+    # N = 4 stage 3 -> N = 2 at this stage (b), and N = 2 stage 1 -> N = 4 at this stage (c):
+    # every master weight and every Adam m and v, element by element, and the step count.
+    want = resharded["states"]["a"]
+    for name in [f"b{stage}", f"c{stage}"]:
+        got = resharded["states"][name]
+        assert set(got) == set(want)
+        assert {k[0] for k in want if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
+        for key in want:
+            if key == "scalars":  # each of the 12 trainable parameters stepped twice
+                floats = lambda scalars: {n: {k: float(v) for k, v in s.items()} for n, s in scalars.items()}
+                assert floats(got[key]) == floats(want[key]) == {n: {"step": 2.0} for n in want[key]}
+                assert len(want[key]) == 12
+            else:
+                assert torch.equal(got[key], want[key]), (name, key)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_reshard_trains_on_as_if_nothing_changed(resharded, stage):
+    # 2 more steps after loading match the uninterrupted N = 4 run, to float rounding (the sums
+    # of the reductions run in another order at another N).
+    want = resharded["straight"]
+    initial = {n: p.detach() for n, p in Net(seed=100).named_parameters()}
+    for run in ("two", "four"):
+        got = resharded[run][stage]["full"]
+        assert list(got) == list(want)
+        for name in want:
+            assert (got[name] - want[name]).abs().max().item() <= 1e-5, (run, name)
+    assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-2
+    assert resharded["two"][stage]["extra"] == {"note": "from N=4"}
+
+
+def test_checkpoints_with_bf16_compute_and_without_optimizer_state(resharded):
+    want, got = resharded["states"]["a"], resharded["states"]["bf16"]
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want if k != "scalars")
+    before, after = resharded["two"]["sgd"]
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_bad_checkpoints_are_refused_before_anything_changes(resharded):
+    refused = resharded["two"]["refused"]
+    assert "corrupt" in refused["corrupt"] and "rank_00002.pt" in refused["corrupt"]
+    assert "truncated" in refused["truncated"] and "rank_00003.pt" in refused["truncated"]
+    assert resharded["two_rank1"]["refused"] == refused  # the same message on both ranks, whichever found it
+    assert "missing" in refused["missing"] and "rank_00001.pt" in refused["missing"]
+    assert "no manifest.json" in refused["incomplete"]
+    assert "another model" in refused["another model"] and "'0.weight'" in refused["another model"]
+    assert "AdamW" in refused["another optimizer"] and "SGD" in refused["another optimizer"]
+    assert all(msg.count("\n") == 0 for msg in refused.values())
+    assert resharded["two"]["unchanged"] == [True] * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line's checkpoints: a rank killed and restarted, consolidation, errors
+
+KILLED_STEPS = 12  # a checkpoint every 4 steps: rank 1 dies after the first, at step 4
+
+
+@scenario(2)
+def straight(rank, world):
+    """The uninterrupted run that the killed and restarted one must equal: zero.main at N = 2 with
+    the same arguments. Its checkpoint also serves the consolidation and checkpoint-error tests."""
+    ckpt = os.path.join(os.environ["ZERO_TEST_TMP"], "straight")
+    return main_printed(zero.main, [*CKPT, "--steps", str(KILLED_STEPS), "--ckpt-dir", ckpt])
+
+
+KILLER = """
+import checkpoints
+save = checkpoints.save_checkpoint
+
+
+def save_then_die(opt, root, step, **kwargs):
+    save(opt, root, step, **kwargs)  # returns once the checkpoint is complete, on every rank
+    if step == 4 and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+checkpoints.save_checkpoint = save_then_die
+zero.run(zero.main)
+"""
+
+
+def test_a_killed_rank_restarts_and_resumes_exactly(ran, shared, tmp_path):
+    # torchrun --max-restarts=1: rank 1 is SIGKILLed once the checkpoint of step 4 is complete;
+    # torchrun restarts the group, which resumes from that checkpoint. The final weights and Adam
+    # state equal an uninterrupted run's, bit for bit. The rank kills itself (KILLER, a launcher
+    # of zero.main), always right after that checkpoint: killed from outside when the checkpoint
+    # shows up, how many more steps it had trained by then would be a matter of timing.
+    ckpt = str(tmp_path / "killed")
+    # (Before zero.setup prefixed the store's keys by the restart attempt, the restarted ranks
+    # here read the dead ranks' addresses and waited for ever: see zero._attempt_store.)
+    out = run_py(*CKPT, "--steps", str(KILLED_STEPS), "--ckpt-every", "4", "--ckpt-dir", ckpt,
+                 script=launcher_script(tmp_path / "killed.py", KILLER), torchrun=2, torchrun_args=["--max-restarts=1"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = re.findall(r"^resumed from .*step_(\d+): step (\d+)", out.stdout, re.M)
+    assert resumed == [("00000004", "4")], out.stdout[-2000:]
+    # steps 1-4 before the kill, 5-12 after the restart: none trained twice, none skipped
+    assert re.findall(r"^step +(\d+) \|", out.stdout, re.M) == [str(s) for s in range(1, KILLED_STEPS + 1)]
+    assert losses(out.stdout)[-1] == losses(ran(straight, 2)[0])[-1]
+    a, b = (full_checkpoint(checkpoints.latest_checkpoint(path)) for path in (ckpt, os.path.join(shared, "straight")))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a if k != "scalars")
+    assert a["scalars"] == b["scalars"] and {k[0] for k in a if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
+    assert sorted(os.listdir(ckpt)) == ["step_00000008", "step_00000012"]  # the newest two are kept
+
+
+@pytest.fixture(scope="module")
+def one_process(ran, shared, tmp_path_factory):
+    # The N = 2 stage-2 checkpoint of the straight run -> one plain state_dict (--consolidate, as
+    # zero.main runs it: no process group), in each format its --out names, then `python zero.py
+    # --init-from` the .pt: one process, no torchrun, a stage-3 run at N = 1.
+    ran(straight, 2)  # its checkpoint
+    out = tmp_path_factory.mktemp("one")
+    printed = [main_printed(zero.main, ["--consolidate", os.path.join(shared, "straight"), "--out",
+                                        str(out / name)])
+               for name in ("model.pt", "model.safetensors", "model.dcp")]
+    model_file = str(out / "model.pt")
+    return printed, str(out), run_py("--stage", "3", *SMALL, "--init-from", model_file)
+
+
+def test_cli_runs_as_one_process_without_torchrun(one_process):
+    out = one_process[2]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world size       | 1 (gloo" in out.stdout and len(losses(out.stdout)) == 3
+
+
+def test_consolidate_and_init_from(one_process):
+    # The consolidated state_dict is one that the unwrapped model loads; the --init-from run's
+    # first loss is that model's own. Each --out is one file (or DCP directory) of the format
+    # its name asks for, read by that format's own loader, and nothing else is written.
+    printed, folder, out = one_process
+    assert all(f"step {KILLED_STEPS} (written at stage 2 by 2 rank(s)" in p for p in printed)
+    assert [p.split(" (")[1].split(")")[0] for p in printed] == ["pt", "safetensors", "dcp"]
+    assert sorted(os.listdir(folder)) == ["model.dcp", "model.pt", "model.safetensors"]
+    model_file = os.path.join(folder, "model.pt")
+    state = torch.load(model_file, weights_only=True)
+    a = zero.training_parser("").parse_args(SMALL)  # MODEL, and the batch of the --init-from run
+    model = zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head)
+    model.load_state_dict(state)  # strict: every key of the model, nothing else
+    assert torch.equal(state["head.weight"], state["wte.weight"])
+    assert os.path.getsize(model_file) < 4 * 1.2 * sum(t.numel() for t in state.values())  # no parts
+    torch.manual_seed(a.seed)  # the weights a run starts from without --init-from
+    untrained = zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head)
+    data = zero.demo_data()
+    x, y = zero.get_batch(data, 1, 0, 0, 1, a.batch_size, a.seq_len, a.seed)
+    with torch.no_grad():
+        want, fresh = (F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for m in (model, untrained))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert abs(losses(out.stdout)[0] - want) < 1e-5 and want < fresh - 0.1  # trained weights, not a fresh model
+    # the same tensors, under the same keys, as safetensors' own loader and torch's DCP converter read them
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    converted = os.path.join(str(folder) + "-from-dcp.pt")
+    dcp_to_torch_save(os.path.join(folder, "model.dcp"), converted)
+    for other in (load_file(os.path.join(folder, "model.safetensors")), torch.load(converted, weights_only=True)):
+        assert sorted(other) == sorted(state) and all(torch.equal(other[k], state[k]) for k in state)
+
+
+def checkpoint_error_cases(tmp):
+    ckpt, plain = os.path.join(tmp, "straight"), os.path.join(tmp, "plain.pt")
+    return [(["--d-model", "64", "--ckpt-dir", ckpt], "checkpoint is for another model"),
+            (["--init-from", plain], "--init-from"), (["--init-from", os.path.join(tmp, "none.pt")], "No such file"),
+            (["--consolidate", tmp], "needs --out"),
+            (["--consolidate", os.path.join(tmp, "empty"), "--out", plain], "no complete checkpoint"),
+            (["--consolidate", plain, "--out", plain + ".out.pt"], "not a directory"),
+            (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out.pt"], "no such directory"),
+            (["--consolidate", ckpt, "--out", plain + ".out"], "name a .pt or .safetensors file"),
+            (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
+
+
+@scenario(2, reads=straight)
+def cli_errors(rank, world):
+    # after `straight`, whose checkpoint is the one of another model for the first case
+    tmp = os.environ["ZERO_TEST_TMP"]
+    if rank == 0:
+        torch.save({"x": torch.zeros(2)}, os.path.join(tmp, "plain.pt"))
+        os.makedirs(os.path.join(tmp, "empty"), exist_ok=True)
+    dist.barrier()
+    return [main_refused(zero.main, [*CKPT, "--steps", "2", *args]) for args, _ in checkpoint_error_cases(tmp)]
+
+
+def test_checkpoint_errors_are_one_line(ran, shared):
+    # zero.main on both ranks of N = 2: every rank refuses, with the same one-line message (which
+    # zero.run prints as one line, exit code 2: test_bad_input_is_one_line_and_exit_2), and trains
+    # nothing.
+    cases = checkpoint_error_cases(shared)
+    for res in ran(cli_errors, 2):
+        assert len(res) == len(cases)
+        for (args, message), (error, printed) in zip(cases, res):
+            assert error and message in error and "\n" not in error, (args, error)
+            assert "step    1 |" not in printed
+    assert [e for e, _ in ran(cli_errors, 2)[0]] == [e for e, _ in ran(cli_errors, 2)[1]]
+    assert torch.load(os.path.join(shared, "plain.pt"), weights_only=True)["x"].shape == (2,)  # a failed run wrote nothing
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints under abuse: one job per directory, ranks that agree, nothing non-finite saved, the
+# manifest read as data, one line and never a traceback. In this process (a gloo group of one)
+# where it can be; two ranks once.
+
+def full_disk(obj, f):  # torch.save on a full disk: some bytes, then ENOSPC
+    import errno
+    f.write(b"\0" * 1000)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@scenario(2)
+def abused_ranks(rank, world):
+    root, out = os.path.join(os.environ["ZERO_TEST_TMP"], "abused-ckpt"), {}
+    model, opt = wrapped(rank, 2, "adamw", seed=100)
+    train_rows(model, opt, rank, world, 1, 0)
+    for step in (2, 4):
+        checkpoints.save_checkpoint(opt, root, step)
+    # Rank 0 chooses: here its listing does not show step 4 yet (it completed in between), rank
+    # 1's does. Both must resume from step 2.
+    real_steps, real_save = checkpoints._steps, torch.save
+    if rank == 0:
+        checkpoints._steps = lambda r: {s: p for s, p in real_steps(r).items() if s < 4}
+    out["chosen"] = checkpoints.choose_checkpoint(root, torch.device("cpu"))
+    checkpoints._steps = real_steps
+    # The disk fills up while rank 1 writes step 6: every rank raises the same one line, and
+    # nothing of step 6 is left.
+    if rank == 1:
+        torch.save = full_disk
+    try:
+        checkpoints.save_checkpoint(opt, root, 6)
+    except checkpoints.CheckpointError as e:
+        out["full"] = str(e)
+    torch.save = real_save
+    dist.barrier()
+    out["after"] = sorted(os.listdir(root))
+    chosen = checkpoints.choose_checkpoint(root, torch.device("cpu"))
+    out["loaded"] = checkpoints.load_checkpoint(opt, chosen)["step"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def abused(ran, shared):
+    return shared, ran(abused_ranks, 2)
+
+
+def test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank(abused):
+    tmp, ranks = abused
+    assert [r["chosen"] for r in ranks] == [os.path.join(tmp, "abused-ckpt", "step_00000002")] * 2
+    assert ranks[0]["full"] == ranks[1]["full"]
+    full = ranks[0]["full"]
+    assert full.startswith("step 6 not saved: rank 1: ") and "No space left" in full
+    assert "\n" not in full
+    assert ranks[0]["after"] == ranks[1]["after"] == ["step_00000002", "step_00000004"]
+    assert [r["loaded"] for r in ranks] == [4, 4]  # the previous checkpoint is intact
+    for path, _, files in os.walk(os.path.join(tmp, "abused-ckpt")):
+        assert not [f for f in files if ".tmp" in f], (path, files)
+
+
+def test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not(one_rank, tmp_path):
+    import fcntl
+    ckpt = tmp_path / "ckpt"
+    zero.main([*TINY, "--steps", "2", "--ckpt-dir", str(ckpt)])
+    before = sorted(os.listdir(ckpt))
+    # another job (here a process that holds the lock and is then killed) holds the directory
+    hold = (f"import fcntl, os, time\nfd = os.open({str(ckpt)!r}, os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        in_use = f"in use by another job \\(process {holder.pid}\\)"
+        with pytest.raises(zero.UsageError, match=in_use):
+            zero.main([*TINY, "--ckpt-dir", str(ckpt)])
+        assert sorted(os.listdir(ckpt)) == before  # refused before writing (or deleting) anything
+    finally:
+        holder.kill()
+        holder.wait()
+    zero.main([*TINY, "--ckpt-dir", str(ckpt)])  # the kernel dropped the dead job's lock
+    assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000003"]
+    fd = os.open(ckpt, os.O_RDONLY)  # and this job let go of its own when it ended
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+
+
+def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys):
+    # --lr 1e4: step 1 is finite, step 2's gradient norm is not. The run stops before applying
+    # step 2, names it and the last good checkpoint, which is kept; also with --clip 0.
+    for clip in ["1", "0"]:
+        ckpt = tmp_path / f"clip{clip}"
+        with pytest.raises(zero.Diverged) as e:
+            zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--clip", clip,
+                       "--ckpt-dir", str(ckpt), "--ckpt-every", "1"])
+        message = str(e.value)
+        # nan or inf: which one the overflow gives depends on torch's kernels
+        assert re.match(r"step 2: the gradient norm is (nan|inf); stopped before", message)
+        assert "\n" not in message
+        assert f"Last good checkpoint: {ckpt / 'step_00000001'} " in message
+        assert sorted(os.listdir(ckpt)) == ["step_00000001"]
+        parts = checkpoints.read_checkpoint(ckpt / "step_00000001")[1]
+        assert all(torch.isfinite(u["master"]).all() for part in parts for u in part["units"])
+    # --skip-nonfinite: those steps are skipped, the weights and optimizer state stay step 1's
+    ckpt = tmp_path / "skip"
+    zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--ckpt-dir", str(ckpt), "--ckpt-every", "1",
+               "--skip-nonfinite"])
+    assert "5 step(s) of 6 skipped" in capsys.readouterr().out
+    five, six = (checkpoints.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
+    assert all(torch.equal(a["master"], b["master"]) for a, b in zip(five["units"], six["units"]))
+    assert [s["step"] for s in five["param_scalars"].values()] == [s["step"] for s in six["param_scalars"].values()] \
+        == [1] * len(five["param_scalars"])  # one step applied in all
+
+
+def test_resume_applies_the_command_lines_lr(one_rank, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    zero.main([*TINY, "--steps", "2", "--ckpt-dir", str(ckpt)])
+    zero.main([*TINY, "--lr", "1e-3", "--ckpt-dir", str(ckpt)])
+    out = capsys.readouterr().out
+    assert "hyper-parameters loaded, then --lr 0.001 applied (it had 0.003)" in out
+    assert checkpoints.read_checkpoint(ckpt / "step_00000003")[1][0]["hyper"][0]["lr"] == 1e-3
+
+
+def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    for step in (4, 8):
+        checkpoints.save_checkpoint(opt, str(root), step)
+    shutil.copytree(root / "step_00000004", root / "step_00000009.bak")
+    for name in ["step_", "step_9", "step_000000009"]:
+        (root / name).mkdir()
+        (root / name / "manifest.json").write_text("{}")
+    (root / "step_00000010").write_text("a file")
+    leftover = root / "step_00000008" / "rank_00000.pt.tmp12345"  # a save killed midway
+    leftover.write_bytes(b"\0" * 100)
+    torn = root / "step_00000006.partial"  # a DCP save (fsdp_demo.py) killed midway
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"\0" * 100)
+    assert checkpoints.latest_checkpoint(str(root)) == str(root / "step_00000008")
+    zero.main(["--consolidate", str(root), "--out", str(tmp_path / "model.pt")])
+    odd = ["step_", "step_000000009", "step_00000009.bak", "step_00000010", "step_9"]
+    checkpoints.save_checkpoint(opt, str(root), 2)  # lower than both: kept all the same, once written
+    kept = ["step_00000002", "step_00000004", "step_00000008"]
+    assert sorted(os.listdir(root)) == sorted(kept + odd)
+    assert not leftover.exists() and not torn.exists()
+    checkpoints.save_checkpoint(opt, str(root), 12)
+    assert sorted(os.listdir(root)) == sorted(["step_00000008", "step_00000012", *odd])
+
+
+def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    checkpoints.save_checkpoint(opt, str(root), 1)
+    monkeypatch.setattr(checkpoints, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
+    full = "^step 2 not saved: rank 0: .*manifest.json: No space left"
+    with pytest.raises(checkpoints.CheckpointError, match=full):
+        checkpoints.save_checkpoint(opt, str(root), 2)
+    assert sorted(os.listdir(root)) == ["step_00000001"] and os.listdir(root / "step_00000001")
+    checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(str(root)))
+    with pytest.raises(checkpoints.CheckpointError, match="no checkpoint path was given"):
+        checkpoints.load_checkpoint(opt, None)
+
+
+def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path, monkeypatch):
+    # Step 1 saved twice, with other weights: the second is written whole beside the first and
+    # takes its name in one rename; until then step_00000001 is the first, whole. A failed
+    # overwrite leaves the first as it was.
+    root = str(tmp_path / "ckpt")
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    checkpoints.save_checkpoint(opt, root, 1)
+    first = opt.full_state_dict()
+    run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1)
+    second = opt.full_state_dict()
+    seen, exchange = [], checkpoints._exchange
+
+    def watched(new, old):  # the moment before the new one takes the name: the old one is whole
+        seen.append(checkpoints.read_checkpoint(old)[1][0]["units"][0]["master"].clone())
+        exchange(new, old)
+    monkeypatch.setattr(checkpoints, "_exchange", watched)
+    checkpoints.save_checkpoint(opt, root, 1)
+    assert len(seen) == 1 and sorted(os.listdir(root)) == ["step_00000001"]
+    fresh = wrapped(0, 1, "adamw", seed=500)[1]
+    checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(root))
+    assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
+    assert not torch.equal(seen[0], checkpoints.read_checkpoint(os.path.join(root, "step_00000001"))[1][0]["units"][0]["master"])
+    monkeypatch.setattr(checkpoints, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
+    run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1, start=1)
+    with pytest.raises(checkpoints.CheckpointError, match="^step 1 not saved: rank 0: .*No space left"):
+        checkpoints.save_checkpoint(opt, root, 1)
+    checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(root))
+    assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
+    assert first.keys() == second.keys()
+
+
+def test_a_dcp_checkpoint_saved_again_takes_its_name_in_one_step(tmp_path, monkeypatch):
+    # fsdp_demo.py's DCP saves (checkpoints.save_dcp) commit as save_checkpoint does: a step saved again
+    # is written whole beside the old one, which stays whole until the names are swapped.
+    path, tmp = str(tmp_path / "step_00000003"), str(tmp_path / "step_00000003.partial")
+    for d, what in ((path, "old"), (tmp, "new")):
+        os.makedirs(d)
+        open(os.path.join(d, "__0_0.distcp"), "w").write(what)
+    seen, exchange = [], checkpoints._exchange
+
+    def watched(new, old):  # the moment before the new one takes the name: the old one is whole
+        seen.append(open(os.path.join(old, "__0_0.distcp")).read())
+        exchange(new, old)
+    monkeypatch.setattr(checkpoints, "_exchange", watched)
+    checkpoints._commit_dcp(tmp, path, {"step": 3})
+    assert seen == ["old"] and os.listdir(tmp_path) == ["step_00000003"]
+    assert open(os.path.join(path, "__0_0.distcp")).read() == "new"
+    assert json.load(open(os.path.join(path, checkpoints.DCP_MARKER)))["step"] == 3
+
+
+def unblock_after(fifo, seconds=20):
+    """Should a reader wait for ever in open(fifo), a writer's open after `seconds` lets it go."""
+    def write():
+        time.sleep(seconds)
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    import threading
+    threading.Thread(target=write, daemon=True).start()
+
+
+def test_the_manifest_is_data(abused, tmp_path):
+    source = os.path.join(abused[0], "abused-ckpt", "step_00000004")
+    manifest = json.load(open(os.path.join(source, "manifest.json")))
+    files = manifest["files"]
+
+    def swapped(path):
+        os.rename(path / "rank_00000.pt", path / "x")
+        os.rename(path / "rank_00001.pt", path / "rank_00000.pt")
+        os.rename(path / "x", path / "rank_00001.pt")
+        return {"files": {"rank_00000.pt": files["rank_00001.pt"],
+                          "rank_00001.pt": files["rank_00000.pt"]}}
+
+    def fifo(name):
+        def make(path):
+            os.remove(path / name)
+            os.mkfifo(path / name)
+            unblock_after(path / name)
+        return make
+
+    first_unit = manifest["units"][0]
+    false_shape = [[[first_unit[0][0], [-1]], *first_unit[1:]], *manifest["units"][1:]]
+    cases = {  # what is changed -> what the one-line error must say
+        "swapped": (swapped, "rank_00000.pt: holds the part of rank 1, not of rank 0"),
+        "outside": ({"files": {"rank_00000.pt": files["rank_00000.pt"],
+                               "../../../x.pt": files["rank_00001.pt"]}},
+                    "'files' must be exactly rank_00000.pt ... rank_00001.pt"),
+        "fifo": (fifo("rank_00001.pt"), "rank_00001.pt: not a regular file"),
+        "fifo manifest": (fifo("manifest.json"), "manifest.json: not a regular file"),
+        "step abc": ({"step": "abc"}, "'step' is 'abc'"),
+        "step true": ({"step": True}, "'step' is True"),
+        "no extra": ({"extra": None}, "'extra' is missing"),
+        "no files": ({"files": None}, "'files' is missing"),
+        "empty files": ({"files": {}}, "'files' is missing or empty"),
+        "false shape": ({"units": false_shape}, "'units' is not a list"),
+        "world size": ({"world_size": 0}, "'world_size' is 0"),
+        "psi": ({"psi": 5}, "'psi' is 5"),
+        "bad hash": ({"files": {**files, "rank_00000.pt": [files["rank_00000.pt"][0], "../x"]}},
+                     "'files' entry rank_00000.pt"),
+    }
+    for what, (change, message) in cases.items():
+        path = tmp_path / what
+        shutil.copytree(source, path)
+        changed = change(path) if callable(change) else change
+        if changed:
+            (path / "manifest.json").write_text(json.dumps({**manifest, **changed}))
+        out = str(tmp_path / "out.pt")
+        for read in [checkpoints.read_checkpoint, lambda p: checkpoints.consolidate(p, out, "pt"),
+                     lambda p: zero.main(["--consolidate", str(p), "--out", out])]:
+            with pytest.raises(checkpoints.CheckpointError) as e:
+                read(path)
+            assert message in str(e.value) and "\n" not in str(e.value), (what, str(e.value))
+        assert not os.path.exists(tmp_path / "out.pt")
+    # --out onto a directory or into a missing one: one line, no temporary file left
+    for out in [tmp_path, tmp_path / "missing" / "out.pt"]:
+        with pytest.raises(zero.UsageError, match="^--out"):
+            zero.main(["--consolidate", source, "--out", str(out)])
+        with pytest.raises(zero.UsageError, match="cannot be written"):
+            checkpoints.consolidate(source, str(out), "pt")
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
