@@ -16,7 +16,7 @@ zero.layout() (the names and shapes each unit holds), zero.replicated(), zero.al
 zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpoint is first
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate.
 """
-import contextlib, hashlib, itertools, json, os, shutil, sys, warnings
+import contextlib, functools, hashlib, itertools, json, os, shutil, sys, warnings
 from collections import Counter
 
 import torch
@@ -1046,3 +1046,40 @@ def consolidate_command(args):
     m = consolidate(path, out, kind)
     print(f"wrote {out} ({kind}): {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
           f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")
+
+
+def resume(opt, args, position, device, log):
+    """zero.train's start with --ckpt-dir or --resume-from: load the newest complete checkpoint
+    in --ckpt-dir, whatever stage and world size wrote it, as rank 0 sees it (choose_checkpoint);
+    where there is none, --resume-from's, of either format (zero.py's or FSDP2's DCP). The data
+    position is the step: get_batch() draws step k's global batch from a generator seeded by k.
+    The checkpoint's hyper-parameters are loaded with its state, then --lr is applied: the
+    command line has the last word. Returns (the first step to train, the checkpoint or None)."""
+    found = choose_checkpoint(args.ckpt_dir, device) if args.ckpt_dir else None
+    found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
+    if not found:
+        return 1, None
+    # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
+    manifest = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))(found)
+    loaded_lr = opt.optimizer.param_groups[0]["lr"]
+    for group in opt.optimizer.param_groups:
+        group["lr"] = args.lr
+    log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
+        f"by {manifest['world_size']} rank(s)" +
+        (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
+        (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
+         not in (0, manifest["world_size"]) else "") +
+        (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
+         if loaded_lr != args.lr else ""))
+    if manifest["extra"].get("data") != position:
+        log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}"
+            f", now {position}): training goes on, on other batches")
+    return manifest["step"] + 1, found
+
+
+def save(opt, root, step, position):
+    """zero.train's checkpoint after a step (fsdp_demo.py's optimizer saves its own, DCP).
+    Returns the directory written."""
+    getattr(opt, "save_checkpoint", functools.partial(save_checkpoint, opt))(
+        root, step, extra={"data": position})
+    return os.path.join(root, f"step_{step:08d}")

@@ -45,7 +45,7 @@ FSDP2's knobs and the zero.py code that does the same job:
 - Parameters become DTensors sharded on dim 0 (each parameter cut separately, padded); zero.py
   cuts one flat buffer per unit. Both give each rank 1/N of every unit.
 - fully_shard(mesh=init_device_mesh(device, (N/G, G))): hybrid sharding (HSDP), shard over G,
-  replicate over N/G: zero.py's --shard-size G (hybrid_groups). --compare --shard-size G runs both.
+  replicate over N/G: zero.py's --shard-size G (hybrid.py); --compare --shard-size G runs both.
 - A model built on the meta device: fully_shard it there, then to_empty() and an init, then
   set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) for weights that rank 0
   holds (materialize below): zero.wrap(init=...) (materialize in zero.py) and
@@ -121,7 +121,7 @@ def parallelize(model, args, device):
     reshard = args.stage == 3
     # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
     # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
-    G, world = getattr(args, "shard_size", None), dist.get_world_size()
+    G, world = args.shard_size, dist.get_world_size()
     mesh = None
     if G and G < world:
         mesh = init_device_mesh(device.type, (world // G, G),
@@ -546,19 +546,12 @@ def main(argv=None):
                    help="every stage vs PyTorch, default and 50M models, timed")
     p.add_argument("--repeats", type=zero.positive(int), default=3,
                    help="--bench: alternating runs per pair")
-    p.add_argument("--ckpt-dir",
-                   help="write checkpoints here with torch.distributed.checkpoint (FSDP2), and "
-                        "resume from the newest complete one (default: no checkpoints)")
-    p.add_argument("--ckpt-every", type=zero.positive(int),
-                   help="steps between checkpoints (default: after the last step only)")
     args = zero.check_args(p.parse_args(argv))
     if (args.ckpt_dir or args.resume_from) and (args.stage < 2 or args.bench):
         raise zero.UsageError("--ckpt-dir and --resume-from are FSDP2's here: stages 2 and 3 "
                               "only, not --bench")
     if args.ckpt_dir and args.compare:
         raise zero.UsageError("--ckpt-dir is not for --compare: both runs would write there")
-    if args.ckpt_every and not args.ckpt_dir:
-        raise zero.UsageError("--ckpt-every needs --ckpt-dir")
     if args.bf16 and (args.stage < 2 or args.bench):
         raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, "
                               "not --bench")

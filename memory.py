@@ -22,8 +22,8 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, check_args, log0, \
-    memory_formula, train, training_parser
+from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, bytes_per_parameter, \
+    check_args, log0, memory_formula, train, training_parser
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
@@ -135,6 +135,17 @@ class Watch(Progress):
 # The memory wall: --largest-model finds, by trying, the largest demo GPT that each stage trains
 # within --max-memory: how much larger a model ZeRO trains on the same ranks.
 
+def check_largest_model_args(args):
+    """zero.py --largest-model: bad input is a UsageError before anything runs."""
+    if args.max_memory is None or args.world_size is None:
+        raise UsageError("--largest-model needs --max-memory and --world-size")
+    if "RANK" in os.environ:
+        raise UsageError("--largest-model launches its own ranks: run it without torchrun")
+    if args.world_size < 2:
+        raise UsageError("--largest-model compares the stages, which differ only with 2 ranks or "
+                         "more: --world-size 2 at least")
+
+
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
     trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
@@ -142,7 +153,7 @@ def largest_model(args):
     that trial only. The search starts where the formula puts the wall and brackets it:
     wall_guess() says where, from what the trials that fitted measured."""
     N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    pb, gb, ob = bytes_per_parameter(args)
     if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
         with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
             free = next(int(line.split()[1]) * 1024 for line in f
@@ -341,7 +352,7 @@ def _trial_rank(rank, world, port, argv, send):
 def print_memory_wall(args, rows):
     N = args.world_size
     G = args.shard_size or N
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
+    pb, gb, ob = bytes_per_parameter(args)
     formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
     print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
           f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
@@ -422,8 +433,8 @@ def timeline_entry(zero, what, unit):
 
 def timeline_panel(res, args):
     """What one run's picture needs: its events and the formula's level of each kind."""
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter, as in report()
-    s, G = res["stage"], getattr(args, "shard_size", None) or res["world"]
+    pb, gb, ob = bytes_per_parameter(args)
+    s, G = res["stage"], args.shard_size or res["world"]
     n = "N" if G == res["world"] else "G"  # hybrid sharding: what is sharded is 1/G
     return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
             "groups": f", G = {G}" if G < res["world"] else "",

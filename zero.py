@@ -5,7 +5,6 @@ torch.distributed collectives, in one file you can read top to bottom.
     torchrun --nproc_per_node=4 zero.py --stage 2     # 4 ranks: gloo on CPU, or NCCL, a GPU each
     python zero.py --stage 3                          # one rank, the same code path
     python zero.py --estimate --params 7.5e9 --world-size 64   # the paper's Figure 1, no training
-    torchrun --nproc_per_node=4 --max-restarts=3 zero.py --ckpt-dir ckpt --ckpt-every 10
 
 The problem. Plain data parallelism keeps a full copy of the *model state* on every rank: the
 parameters, their gradients and the optimizer's state (Adam's m and v, and in mixed precision an
@@ -36,17 +35,12 @@ and ZeRO puts the optimizer step in between. Stage 3 pays 50% more, and latency:
 waits for its all-gather before it computes.
 
 How to read this file. Part I is the algorithm, complete: the sharded layout (a Unit), the two
-collectives, one class per stage, each a subclass of the one before it that overrides what it
-changes, and wrap(). Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part
-II is what every run uses, each piece in a section of its own that Part I calls by name: the
-set-up, the units, hybrid sharding, speed (each speed-up a switch, to measure it), mixed
-precision, measurement and the formulas, checks, then the demo model, the training loop, the
-report and the command line. What is not the lesson has a file of its own: checkpoints.py
-(sharded, resharded at any stage and world size, FSDP2's DCP, safetensors), memory.py (a real
-limit per rank, the largest model each stage trains, one step's memory drawn), meta_init.py
-(models no rank can hold, built on the meta device). Then see the stages break: mistakes.py
-runs the classic mistakes beside the right code; and fsdp_demo.py the same training with
-PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2. The stages share one interface:
+collectives, one class per stage (a subclass of the one before, overriding what it changes) and
+wrap(). Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part II is what
+every run uses, each piece a section that Part I calls by name. The rest has files of its own:
+checkpoints.py, memory.py (a real limit per rank, the memory wall, one step drawn), meta_init.py
+(models built on the meta device), mistakes.py (the classic mistakes, beside the right code),
+fsdp_demo.py (the same training with PyTorch's DDP and FSDP2). The stages share one interface:
 
     optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     with optimizer.no_sync():           # optional: micro-batches that only accumulate (as DDP)
@@ -90,11 +84,12 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `
 # same number of elements (to within the padding), and each collective is a single call.
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
-# units=[] everything is one unit, the root. Default: one unit per block (default_units).
+# units=[] everything is one unit, the root. Default: one unit per block (default_units); stages
+# 0-2 may merge or cut them into buckets instead (bucket_bytes, speed 2).
 
 class Unit:
     def __init__(self, modules, params, rank, N, S=None):
-        self.modules, self.params = modules, params  # modules []: the root unit (the rest)
+        self.modules, self.params = modules, params  # modules []: the root unit, or a bucket
         numel = sum(p.numel() for p in params)
         self.S = S or -(-numel // N)  # numel / N, rounded up (make_units may ask for more)
         self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
@@ -105,8 +100,9 @@ class Unit:
             self.offset[p], o = o, o + p.numel()
         self.my_slice = slice(rank * self.S, (rank + 1) * self.S)  # shard r, of rank r
         self.shard = self.flat[self.my_slice]  # [S] this rank's part of the parameters
-        self.stepped = self.my_slice  # the elements this rank's optimizer steps ([S]; stage 0 all)
-        self.master = self.shard      # those elements as the optimizer steps them (or fp32 copy)
+        # Each stage's _shard sets what follows (stage 0: all of flat, a full gradient):
+        self.stepped = self.my_slice  # the elements this rank's optimizer steps
+        self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
         self.grad = None              # [N*S] the full gradient, while this rank holds one
         self.grad_shard = None        # the gradient of the elements stepped: summed, then / N
         self.step_grad = None         # ... in the master's dtype, during step() only
@@ -114,7 +110,7 @@ class Unit:
         self.arrived = 0              # its parameters given a gradient in this backward
         self.received = set()         # ... since zero_grad(): step() steps only those
         self.unreduced = False        # it holds local gradients that no reduction has summed yet
-        self.hidden = set()           # unused here, .grad None, summed with zeros (count_unused)
+        self.hidden = set()           # unused here: .grad None, reduced as zeros (count_unused)
         self.index = None             # its place in the model's list of units
 
     @property
@@ -129,8 +125,7 @@ class Unit:
 # The two collectives ZeRO is made of. An all-reduce is one then the other: reduce-scatter
 # (rank r receives the sum over ranks of slice r) then all-gather (every rank receives every
 # rank's slice). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, no extra memory.
-# (torch 2.13 renamed them reduce_scatter_single and all_gather_single; every torch >= 2.6 has
-# these names, which every tutorial uses.)
+# (torch 2.13 names them *_single too; these names are every torch's since 2.6.)
 
 def reduce_scatter(out, x, async_op=False, group=None):
     """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
@@ -166,25 +161,28 @@ class DataParallel:
 
     def __init__(self, model, optimizer, **options):
         self.model = model
-        # wrap()'s options, the units (default: one per block), the meter, the same on every
-        # rank (Part II). It sets self.N, the number of ranks a unit is cut over, and
-        # self.group, their process group (None: torch's default group, every rank).
+        # wrap()'s options on self (self.overlap, self.reduce_dtype, self.mixed_precision...),
+        # the units (default: one per block), the meter, the same on every rank (Part II). It
+        # sets self.N, the number of ranks a unit is cut over, and self.group, their process
+        # group (None: torch's default group, every rank).
         self.units = configure(self, model, options)
         self.in_flight = []  # reductions launched, not landed yet: (work, unit, where it lands)
         for unit in materialize(self):  # (a meta-device model: allocated unit by unit)
             dist.broadcast(unit.flat, src=0)  # rank 0's weights (seeds may differ)
-            fp32 = cast(unit, self.param_dtype)  # mixed precision: the model computes in bf16
+            # Mixed precision: unit.flat becomes a param_dtype copy the model computes with;
+            # fp32 is the flat buffer as built, which the fp32 master is cut from
+            fp32 = cast(unit, self.param_dtype)
             self._shard(unit)
             unit.master = fp32[unit.stepped].clone() if self.mixed_precision else unit.shard
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps flat pieces of this rank's masters, views of them (optimizer_pieces,
-        # speed 3). Exact for element-wise optimizers (SGD, Adam, AdamW, Adagrad...): each
-        # element's update depends on its own gradient and state only. NOT for those that look at
-        # whole tensors (LAMB, LARS, Shampoo, Muon: a piece may hold slices of some), nor for
-        # per-parameter groups.
+        # The optimizer steps this rank's masters: optimizer([u.master for u in units]), each cut
+        # into flat pieces, views back to back (u.pieces, speed 3; u.owners[i]: the parameters
+        # piece i holds elements of). Exact for element-wise optimizers (SGD, Adam, AdamW...):
+        # each element's update depends on its own gradient and state only. NOT for those that
+        # look at whole tensors (LAMB, Shampoo, Muon: a piece may hold slices), nor param groups.
         self.optimizer = optimizer(optimizer_pieces(self))
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -212,8 +210,8 @@ class DataParallel:
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
         if p.grad.data_ptr() != view.data_ptr():
-            if p in unit.hidden and p not in unit.received:  # it holds the others' mean:
-                view.add_(p.grad.detach())  # add to it, as torch adds to a .grad
+            if p in unit.hidden and p not in unit.received:  # unused here until now: its view
+                view.add_(p.grad.detach())  # holds the other ranks' mean; add, as torch adds
             else:
                 view.copy_(p.grad.detach())
         p.grad = view if self.keeps_full_grads else None
@@ -224,8 +222,8 @@ class DataParallel:
 
     def _reduce_in_backward(self): return self.overlap and self._sync  # stages 0, 1: to overlap
 
-    def _queue_end_of_backward(self):  # _end_of_backward runs once autograd has finished this
-        if not self._end_queued:       # backward, all of it (autograd's queue_callback, as DDP)
+    def _queue_end_of_backward(self):  # _end_of_backward runs once autograd has finished
+        if not self._end_queued:       # this whole backward (autograd's queue_callback, as DDP)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._end_queued = True
 
@@ -250,8 +248,9 @@ class DataParallel:
 
     def _land_reductions(self, wait=True):
         # Oldest first, the same order as without overlap, so the sums are the same: with wait,
-        # every one; else those beyond max_in_flight (all at stage 0, whose all-reduces need no
-        # memory of their own; one from stage 1 on, whose buffers do: speed 1) and those done.
+        # every one; else those beyond max_in_flight (all at stage 0, whose in-place all-reduces
+        # hold no memory of their own; from stage 1 on, one: each holds a buffer: configure) and
+        # those complete already.
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
             work, unit, result = self.in_flight.pop(0)
@@ -279,8 +278,10 @@ class DataParallel:
             else:
                 count_unused(self, unit)  # (reduced in backward; or no gradient at all)
         self._land_reductions()
-        # The ranks reduced the same units (checks); which parameters got a gradient on some
-        # rank: step() steps those only, as torch skips a parameter whose .grad is None.
+        # One small all-reduce (checks): every rank reduced the same units, and which parameters
+        # got a gradient on some rank: step() steps those only, as torch skips a parameter whose
+        # .grad is None (it also gives those unused here their .grad, and cuts the pieces that
+        # hold both kinds apart).
         self.with_grad = check_step_agrees(self)
         self._reduced = True
 
@@ -304,7 +305,7 @@ class DataParallel:
         # The hand-off: the optimizer steps pieces of each unit's master (views of it), and a
         # piece's .grad is the same slice of grad_shard, the mean gradient (an fp32 copy in
         # mixed precision); None where no rank gave its parameters one, as torch skips such a
-        # tensor (a piece holds parameters of one kind: check_step_agrees cuts apart any other).
+        # tensor.
         for u in self.units:
             u.step_grad = u.grad_shard.to(u.master.dtype)  # (the same tensor if not mixed)
             grads = u.step_grad.split([t.numel() for t in u.pieces])
@@ -331,8 +332,7 @@ class DataParallel:
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface: full parameters for a moment (Part II), and checkpoints
-    # (checkpoints.py, a file of its own, imported by the first call that needs it).
+    # The rest of the interface: gathered() and memory (Part II), checkpoints (checkpoints.py)
     def gathered(self, modules=None, writeback=False): return gathered(self, modules, writeback)
     def memory_breakdown(self): return self.meter.breakdown()
     def state_dict(self): return _checkpoints().checkpoint_part(self)
@@ -370,7 +370,8 @@ class ZeRO1(DataParallel):
         # This rank's [S] holds the sum over ranks of its slice; the rest of the buffer, values
         # that sum counts (local or partial sums): zero them, so a later backward adds only new
         # ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation), and
-        # only this rank holds it there. / N once, in _reduce_grads.
+        # only this rank holds it there. / N once, in _reduce_grads. (So at stage 1 a p.grad view
+        # shows this rank's shard of the sum, zeros elsewhere: the gradient is sharded.)
         unit.grad_shard.copy_(summed)
         unit.grad[:unit.my_slice.start].zero_()
         unit.grad[unit.my_slice.stop:].zero_()
@@ -401,9 +402,8 @@ class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
     its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (one reduction
-    in flight at a time from stage 1 on: max_in_flight). Memory 2Ψ + 14Ψ/N (paper);
-    communication unchanged, but the reduce-scatters must run during backward (stage 1 runs
-    them there only to overlap, with overlap=True).
+    in flight at a time: max_in_flight). Memory 2Ψ + 14Ψ/N (paper); communication unchanged,
+    but the reduce-scatters must run during backward (stage 1 runs them there only to overlap).
 
     Timing is the whole point: a "ZeRO-2" that reduce-scatters after backward has finished holds
     every full gradient at the peak and saves nothing. Trade-off: with gradient accumulation
@@ -444,13 +444,11 @@ class ZeRO3(ZeRO2):
     """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
     the unit right before its module computes in forward and frees it right after; it is
     gathered again right before the module's backward and freed once its gradient is
-    reduce-scattered. At any moment only the unit computing is gathered (with overlap, also the
-    next one, being prefetched; and the root, below), never the whole model. Memory 16Ψ/N
-    (paper); communication 3Ψ (N-1)/N: the parameters are all-gathered twice per step, not once.
-
-    The root unit (parameters outside every unit, e.g. embedding and final norm) stays gathered
-    from the start of forward to the end of backward, as FSDP2 does for its root: backward would
-    need it again at once. That saves one of its all-gathers per step."""
+    reduce-scattered. Only the unit computing is gathered (with overlap, also the next one,
+    prefetched; and the root), never the whole model. Memory 16Ψ/N (paper); communication
+    3Ψ (N-1)/N: the parameters are all-gathered twice per step, not once. The root unit (what no
+    unit holds, e.g. embeddings and final norm) stays gathered from the start of forward to the
+    end of backward, as FSDP2 keeps its root: backward needs it again at once."""
 
     stage = 3
 
@@ -459,8 +457,8 @@ class ZeRO3(ZeRO2):
         super().__init__(model, optimizer, **{**options, "bucket_bytes": 0})
         self.prefetcher = Prefetch(self)  # speed 1: gathers the next unit while one computes
         guard_sharded_parameters(self)  # reading a freed parameter: an error, not a crash
-        # The units each module computes with: its own, and any it shares a weight with (an
-        # output head tied to the embedding needs the embedding's unit too): make_units.
+        # The units each module computes with: its own, any it shares a weight with (a head tied
+        # to the embedding needs that unit too); the model's own: the root unit (make_units).
         for module, units in self.computes_with.items():
             module.register_forward_pre_hook(functools.partial(self._pre_forward, units))
             module.register_forward_hook(functools.partial(self._post_forward, units))
@@ -474,8 +472,7 @@ class ZeRO3(ZeRO2):
     def _gather(self, unit, prefetch=False):
         if not unit.gathered:  # a new block, on the compute stream (CUDA streams: Part II)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch,
-                                       group=self.group)  # N x [S]; a Work if async
+            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch, group=self.group)
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("gather", unit)
         if unit.prefetch is not None and not prefetch:  # needed now: wait for the prefetch
@@ -495,23 +492,22 @@ class ZeRO3(ZeRO2):
         self.meter.event("free", unit)
 
     def _pre_forward(self, units, module, args):
-        if recomputing(self, units):  # activation checkpointing: a forward again in backward
-            return
+        if recomputing(self, units):  # activation checkpointing: a forward run again in
+            return                    # backward, which gathers the units and counts no users
         for u in units:
             u.users += 1
             self._gather(u)
         self.prefetcher.forward_started(units)  # and the units of the module computing next
 
     def _post_forward(self, units, module, args, output):
-        if recomputing():
+        if torch._C._current_graph_task_id() != -1:  # in backward: the end of a recomputation
             return
         call = self.prefetcher.forward_done()  # this module's place in the order of gathers
         training = torch.is_grad_enabled()
         tensors = [t for t in output_tensors(output) if t.requires_grad]  # (Part II, units)
         for u in units:
             u.users -= 1
-            # Kept: the root (backward needs it again at once), and a unit whose output holds no
-            # tensor to hook, which backward could not gather again; freed after backward.
+            # Kept till backward ends: the root, and a unit whose output has no tensor to hook
             keep = training and (not u.modules or not tensors)
             if u.users == 0 and not keep:
                 self._free(u)
@@ -531,9 +527,7 @@ class ZeRO3(ZeRO2):
 
     def _end_of_backward(self):
         super()._end_of_backward()
-        for unit in self.units:  # units gathered for a backward that gave them no gradient
-            if unit.users == 0 and unit.gathered:
-                self._free(unit)
+        self._gather_params()  # units gathered for a backward that gave them no gradient: freed
 
     def _gather_params(self):
         # Nothing to gather after the step: the next forward gathers each unit when it needs it.
@@ -544,9 +538,9 @@ class ZeRO3(ZeRO2):
 
 
 def _grad_hook(zero_ref, i, p):
-    # Gotcha: a parameter keeps its hooks in C++, where Python's garbage collector cannot see
-    # them, so a hook holding the ZeRO object (or a unit, which holds the parameters) would keep
-    # the whole model state alive for ever. The hook holds a weak reference and a unit number.
+    # Gotcha: a parameter keeps its hooks in C++, out of sight of Python's garbage collector: a
+    # hook holding the ZeRO object (or a unit) would keep the whole model state alive for ever.
+    # The hook holds a weak reference and a unit number.
     self = zero_ref()
     if self is not None:
         self._on_grad(self.units[i], p)
@@ -556,12 +550,9 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 
 def wrap(model, stage, optimizer, **options):
-    """Shard `model` (changed in place, as FSDP2's fully_shard does) for ZeRO `stage` over the
-    default process group (setup() makes one if there is none) and return the optimizer to train
-    it with. optimizer: builds a torch
-    optimizer from a list of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3). options: units,
-    mixed precision, speed, checks, hybrid sharding, models built on the meta device, each
-    described where it is declared (Options, at the top of Part II)."""
+    """Shard `model` in place (as FSDP2's fully_shard) for ZeRO `stage` over the default group
+    (setup() makes one if there is none); return the optimizer that trains it. optimizer: makes
+    a torch optimizer of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3); options: Options."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     return STAGES[stage](model, optimizer, **options)
@@ -687,8 +678,9 @@ def configure(zero, model, options):
     zero.max_in_flight = 1 if zero.stage > 0 or copies else len(zero.units)
     zero.forwards = count_forwards(model)  # (gathered() refuses to run inside one)
     check_ranks_agree(zero)  # every rank has the same model and options
-    if zero.N < zero.world:
-        make_hybrid(zero)
+    if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
+        import hybrid
+        hybrid.make_hybrid(zero)
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
     return zero.units
 
@@ -883,73 +875,6 @@ def materialize(zero):
         raise ValueError("zero: init is for a model built on the meta device; this one is "
                          "initialized already")
     return zero.units
-
-
-# ----------------------------------------------------------------------------------------------
-# Hybrid sharding (shard_size=G, --shard-size G): shard within a group of G ranks, replicate
-# across the N/G groups, as FSDP2 with a 2-D device mesh (HSDP) and DeepSpeed's hpZ and MiCS do.
-# Beyond one node, stage 3's all-gathers and reduce-scatter would cross the slow links between
-# nodes twice per step and more; with G = the GPUs of a node they stay inside it, and all that
-# crosses is an all-reduce of each rank's [S] gradient sum with the ranks holding the same shard
-# in the other groups. The price: what is sharded costs 1/G of it per rank, not 1/N.
-#
-#   N = 4, G = 2:  shard groups   {0, 1} {2, 3}   consecutive ranks, as a node's GPUs are
-#                  replica groups {0, 2} {1, 3}   the ranks that hold the same shard
-#
-# A step: reduce-scatter within the shard group, all-reduce of the shard across the replica
-# group, the optimizer on the shard, all-gather within the shard group.
-
-# How: the stage's class becomes one made of it and Hybrid (make_hybrid), whose one override,
-# _reduce, adds the all-reduce across groups to each reduce-scatter; and self.group, the group
-# every other collective of Part I runs over, is this rank's shard group.
-
-class Hybrid:
-    """A stage with hybrid sharding: Part I's N is G, the ranks of a shard group."""
-
-    def _reduce(self, unit, g):
-        # After the reduce-scatter within the shard group, when its work is waited for, the
-        # all-reduce of this rank's [S] sum across its replica group: the sum over all N ranks,
-        # of which each of the R = N/G ranks holding this shard keeps 1/R, so step() divides by
-        # G. Why not the sum itself: at stage 1 it stays in the gradient buffer, which a later
-        # backward (accumulating without no_sync) reduces again, and the R replicas would then
-        # add it up R times; their R parts add up to it once.
-        work, mine = super()._reduce(unit, g)
-        R = self.world // self.N
-        self.meter.sent("all_reduce across groups", mine, unit, ranks=R)
-
-        def finish():
-            dist.all_reduce(mine, group=self.replica_group)
-            mine.div_(R)
-        # Never landed early, only where Part I waits: landing starts a blocking all-reduce
-        # across groups, and every rank must start those at the same point of its program, or
-        # two groups wait on each other for ever.
-        return _Pending([work], finish, early=False), mine
-
-
-def make_hybrid(zero):
-    """configure(), with shard_size G < N: this rank's shard group and replica group, and the
-    stage's class with Hybrid's override."""
-    zero.group, zero.replica_group = hybrid_groups(zero.world, zero.rank, zero.N)
-    if not isinstance(zero, Hybrid):
-        zero.__class__ = _HYBRID.setdefault(type(zero), type(
-            f"Hybrid{type(zero).__name__}", (Hybrid, type(zero)), {}))
-
-
-_HYBRID = {}  # a stage's class -> its hybrid class
-_GROUPS = {}  # G -> (the default group they were made in, every rank's shard and replica groups)
-
-
-def hybrid_groups(N, rank, G):
-    """(this rank's shard group, its replica group). Every rank makes every group, in the same
-    order (new_group is a collective), once per default group: a process that destroys its
-    group and makes a new one (a test pool, the CUDA runs) makes them again."""
-    default = dist.distributed_c10d._get_default_group()
-    if G not in _GROUPS or _GROUPS[G][0] is not default:  # (held: its id is not reused)
-        shards = [dist.new_group(list(range(g * G, (g + 1) * G))) for g in range(N // G)]
-        replicas = [dist.new_group(list(range(i, N, G))) for i in range(G)]
-        _GROUPS[G] = default, shards, replicas
-    _, shards, replicas = _GROUPS[G]
-    return shards[rank // G], replicas[rank % G]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1395,10 +1320,6 @@ def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
 # ----------------------------------------------------------------------------------------------
 # Checks: bad input is a clear error, ranks that disagree fail fast instead of hanging
 
-class UsageError(Exception):
-    """Bad input from the command line or the environment: printed as one line, exit code 2."""
-
-
 def _all_ranks(row, device, dtype=torch.int64):
     """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather."""
     mine = torch.tensor(row, dtype=dtype, device=device)
@@ -1817,8 +1738,7 @@ def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
 def box(rows):
     width = max(len(k) for k, _ in rows), max(len(str(v)) for _, v in rows)
     line = f"+-{'-' * width[0]}-+-{'-' * width[1]}-+"
-    body = [f"| {k:<{width[0]}} | {str(v):<{width[1]}} |" for k, v in rows]
-    return "\n".join([line] + body + [line])
+    return "\n".join([line, *(f"| {k:<{width[0]}} | {v!s:<{width[1]}} |" for k, v in rows), line])
 
 
 def adamw(args):
@@ -1833,6 +1753,10 @@ def log0(*a, **k):
 class Diverged(Exception):
     """The loss or the gradient norm is not finite: training stopped before that step was applied
     (printed as one line, exit code 3)."""
+
+
+class OutOfMemory(Exception):
+    """A rank ran out of memory (under --max-memory, or a real one): one line, exit code 4."""
 
 
 def zero_build(args):
@@ -1855,6 +1779,39 @@ def zero_build(args):
     return build
 
 
+@dataclasses.dataclass
+class Progress:
+    """What this rank is doing, kept up to date by train() and by hooks on the demo GPT's blocks
+    (track), for the line that names where memory ran out: the forward or the backward of which
+    block, in which step. memory.Watch adds the data size at each of these moments."""
+    what: str = "building the model"
+    step: int = None
+
+    def note(self, what):
+        self.what = what
+
+    def block_forward(self, name):
+        self.note(f"the forward of {name}")
+
+    def track(self, model):
+        def backward_next(name, module, args, output):
+            if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(lambda g: self.note(f"the backward of {name}"))
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda m, a, name=f"blocks.{i}": self.block_forward(name))
+            block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
+
+    def used(self):  # bytes allocated above the runtime at the most (memory.Watch): unknown
+        return -1
+
+    def per_block(self):  # what one more block adds (memory.Watch): unknown
+        return 0
+
+
+def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16, else fp32 AdamW
+    return (2, 2, 12) if args.bf16 else (4, 4, 8)
+
+
 def train(args, build=None, keep_params=False, quiet=False):
     """Train the demo model and return what was measured (gathered from every rank).
 
@@ -1863,39 +1820,45 @@ def train(args, build=None, keep_params=False, quiet=False):
     fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2): same model, data,
     seed, loop and measurements, only the sharding differs.
 
-    With args.ckpt_dir: one job per directory (ckpt_dir_lock), checked before anything is built.
-    Running out of memory (args.max_memory: a limit that is enforced) is one line, OutOfMemory,
-    naming the rank, where it was (where: kept up to date by _train) and the stage's formula."""
+    With args.ckpt_dir: one job per directory (checkpoints.py), checked before anything is
+    built. Running out of memory (under --max-memory, a limit that is enforced, or a real one)
+    is one line, OutOfMemory, naming the rank, where it was (Progress) and the stage's formula."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
-    ckpt = getattr(args, "ckpt_dir", None)
-    watch = getattr(args, "max_memory", None) and device.type == "cpu"  # its data size too
+    watch = args.max_memory and device.type == "cpu"  # the data size too (memory.py)
     progress = _memory().Watch() if watch else Progress()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
         model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
-    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    with _checkpoints().ckpt_dir_lock(ckpt, device) if ckpt else contextlib.nullcontext():
+    ckpt = args.ckpt_dir and _checkpoints().ckpt_dir_lock(args.ckpt_dir, device)
+    with ckpt or contextlib.nullcontext():
         try:
-            return _train(args, build, keep_params, quiet, rank, world, device, model, progress)
+            return _train(args, build, keep_params, quiet, world, device, model, progress)
         except (RuntimeError, MemoryError) as e:
-            if not out_of_memory(e):
+            if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
+                    "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
                 raise
-            raise OutOfMemory(oom_line(args, rank, world, psi, progress)) from None
+            psi, G = sum(p.numel() for p in model.parameters()), args.shard_size or world
+            need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args), G).values())
+            raise OutOfMemory(
+                f"rank {rank}: out of memory in " + f"step {progress.step}, " * bool(progress.step)
+                + progress.what + (f" (--max-memory {_si(args.max_memory)}B)" if args.max_memory
+                                   else "") + f"; stage {args.stage}'s formula: its model state "
+                f"alone is {_si(need)}B per rank (Ψ = {psi:,}, N = {world}"
+                + (f", G = {G})" if G < world else ")")) from None
 
 
-def _train(args, build, keep_params, quiet, rank, world, device, model, progress):
+def _train(args, build, keep_params, quiet, world, device, model, progress):
+    rank, runtime = dist.get_rank(), -1  # runtime: what a rank held before --max-memory's limit
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
-    limit = getattr(args, "max_memory", None)  # runtime: what the rank held before the limit
-    runtime = _memory().limit_memory(limit, device) if limit else -1
-    if limit and device.type == "cpu":
-        progress.start()  # the data size the limit counts, from here (memory.Watch)
+    if args.max_memory:
+        runtime = _memory().limit_memory(args.max_memory, device)
+        if device.type == "cpu":
+            progress.start()  # the data size the limit counts, from here (memory.Watch)
     torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
     net, opt, label = (build or zero_build(args))(model, device)
     progress.track(model)
-    data = demo_data(args.data)
-    log = (lambda *a, **k: None) if quiet else log0
-    log(box([("run", label),
-             ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
+    data, log = demo_data(args.data), (lambda *a, **k: None) if quiet else log0
+    log(box([("run", label), ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
              ("Ψ", f"{opt.psi:,} trainable parameters"),
              ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
                        f"bytes of {os.path.basename(args.data) if args.data else 'corpus()'}"),
@@ -1904,53 +1867,24 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, progress
               else "float32, AdamW (state m, v: 8 bytes per parameter)"),
              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                               f"{args.grad_accum} micro-batch(es)")]))
-    # Resume: the newest complete checkpoint, whatever stage and world size wrote it, as rank 0
-    # sees it (choose_checkpoint); if --ckpt-dir has none, --resume-from's, of either format
-    # (zero.py's or DCP's). The data position is the step: get_batch() draws step k's
-    # global batch from a generator seeded by k. The checkpoint's hyper-parameters are loaded
-    # with its state, then --lr is applied: the command line has the last word.
-    first, ckpt = 1, getattr(args, "ckpt_dir", None)
-    found, ck = None, _checkpoints() if ckpt or getattr(args, "resume_from", None) else None
-    if ckpt:
-        found = ck.choose_checkpoint(ckpt, device)
-    if not found and getattr(args, "resume_from", None):
-        found = ck.checkpoint_path(args.resume_from)
-    if found:
-        # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
-        load = getattr(opt, "load_checkpoint", functools.partial(ck.load_checkpoint, opt))
-        manifest = load(found)
-        first = manifest["step"] + 1
-        loaded_lr = opt.optimizer.param_groups[0]["lr"]
-        for group in opt.optimizer.param_groups:
-            group["lr"] = args.lr
-        log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
-            f"by {manifest['world_size']} rank(s)" +
-            (" of FSDP2 (DCP)" if manifest["format"] == ck.DCP_FORMAT else "") +
-            (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
-             not in (0, manifest["world_size"]) else "") +
-            (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
-             if loaded_lr != args.lr else ""))
-        if manifest["extra"].get("data") != data_position(args, world):
-            log(f"note: the data stream differs from the checkpoint's "
-                f"({manifest['extra'].get('data')}, now {data_position(args, world)}): "
-                "training goes on, on other batches")
+    # --ckpt-dir, --resume-from: checkpoints.py resumes from the newest complete checkpoint,
+    # whatever stage and world size wrote it, and from then on saves this run's.
+    ck = _checkpoints() if args.ckpt_dir or args.resume_from else None
+    first, last_good = ck.resume(opt, args, data_position(args, world), device, log) if ck \
+        else (1, None)
     # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count
     # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
-    counting = opt.counting if hasattr(opt, "counting") else contextlib.nullcontext
-    times, losses, sent, mem, start = [], [], [], None, Counter(opt.comm)
-    record, timeline = getattr(args, "record_step", None), None  # --timeline: this step's events
-    last_good = found  # the newest checkpoint known to hold finite values
-    skip, skipped = getattr(args, "skip_nonfinite", False), 0
+    counting = getattr(opt, "counting", contextlib.nullcontext)
+    times, losses, sent, start, timeline, skipped = [], [], [], Counter(opt.comm), None, 0
     if first > args.steps:
-        log(f"nothing left to train: the checkpoint is at step {first - 1}, "
-            f"--steps is {args.steps}")
-        return None
+        return log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is "
+                   f"{args.steps}")
     for step in range(first, args.steps + 1):
         progress.step = step
         progress.note("the forward")
         t0, sent0 = time.perf_counter(), sum(opt.comm.values())
-        if step == record:
-            _memory().start_timeline(opt)
+        if step == args.record_step:
+            _memory().start_timeline(opt)  # --timeline: this step's events
         loss_sum = torch.zeros((), device=device)
         counted = counting()  # one per step, entered twice: the check between is not counted
         with counted:
@@ -1976,19 +1910,18 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, progress
         loss, norm = loss_sum.item() / world, norm.item()
         inf = float("inf")
         finite = abs(loss) < inf and abs(norm) < inf  # False for nan too
-        if not finite and not skip:
+        if not finite and not args.skip_nonfinite:
             what = " and ".join(f"the {name} is {value:g}" for name, value in
                                 (("loss", loss), ("gradient norm", norm)) if not abs(value) < inf)
-            saved = last_good or ("none written" if ckpt else "none (no --ckpt-dir)")
+            saved = last_good or ("none written" if args.ckpt_dir else "none (no --ckpt-dir)")
             raise Diverged(f"step {step}: {what}; stopped before this step was applied. Last good "
                            f"checkpoint: {saved} (try a lower --lr, or --skip-nonfinite)")
         if finite:
             progress.note("the optimizer step")
             with counted:
                 opt.step()
-            timeline = _memory().stop_timeline(opt) if step == record else timeline
-        else:
-            skipped += 1
+            timeline = _memory().stop_timeline(opt) if step == args.record_step else timeline
+        skipped += not finite
         progress.note("after the optimizer step")
         mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state held
         opt.zero_grad()
@@ -2000,34 +1933,31 @@ def _train(args, build, keep_params, quiet, rank, world, device, model, progress
         log(f"step {step:4d} | loss {loss:.6f} | {times[-1] * 1e3:8.1f} ms | "
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + ("" if finite else " | not finite: skipped, the weights are unchanged"))
-        if ckpt and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
-            save = getattr(opt, "save_checkpoint", functools.partial(ck.save_checkpoint, opt))
-            save(ckpt, step, extra={"data": data_position(args, world)})
-            last_good = os.path.join(ckpt, f"step_{step:08d}")
+        if args.ckpt_dir and (step == args.steps or args.ckpt_every and step % args.ckpt_every == 0):
+            last_good = ck.save(opt, args.ckpt_dir, step, data_position(args, world))
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
-    # Every rank's measurements: params, grads, optimizer held; the same at their peak; CUDA's
-    # peak (-1: none).
-    kinds = ("params", "grads", "optimizer")
+    # Every rank's measurements, the largest over the ranks (-1: not measured). Under
+    # --max-memory, "used": the most this rank allocated above its runtime (CPU: the data size at
+    # its peak, memory.Watch; CUDA: the allocator's own peak).
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    # Under --max-memory: the most this rank allocated above its runtime (CPU: the data size at
-    # its peak, memory.Watch; CUDA: the allocator's own peak)
-    used = cuda_peak if device.type == "cuda" else progress.used()
-    build_peak = getattr(opt, "build_peak", {})
-    row = [mem[k] for k in kinds] + [opt.peak.get(k, -1) for k in kinds] + [cuda_peak] + \
-        [build_peak.get(k, -1) for k in kinds] + [runtime, used, progress.per_block()]
-    ranks = _all_ranks(row, device)
-    most = [max(column) for column in zip(*ranks)]
-    return {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
-            "losses": losses,
-            "times": times, "sent": sent,
-            "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
-            "mem": dict(zip(kinds, most[:3])),
-            "peak": dict(zip(kinds, most[3:6])) if most[3] >= 0 else None,
-            "cuda_peak": [row[6] for row in ranks] if cuda_peak >= 0 else None,
-            "build_peak": dict(zip(kinds, most[7:10])), "runtime": most[10], "used": most[11],
-            "per_block": most[12], "timeline": timeline,
-            "full": opt.full_state_dict() if keep_params else None}
+    peak, built = getattr(opt, "peak", {}), getattr(opt, "build_peak", {})
+    mine = {**{("mem", k): v for k, v in mem.items()}, **{("peak", k): peak.get(k, -1) for k in mem},
+            **{("build_peak", k): built.get(k, -1) for k in mem}, "cuda_peak": cuda_peak,
+            "runtime": runtime, "used": cuda_peak if device.type == "cuda" else progress.used(),
+            "per_block": progress.per_block()}
+    ranks = [dict(zip(mine, row)) for row in _all_ranks(list(mine.values()), device)]
+    most = {key: max(r[key] for r in ranks) for key in mine}
+    res = {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
+           "losses": losses, "times": times, "sent": sent, "timeline": timeline,
+           "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
+           "cuda_peak": [r["cuda_peak"] for r in ranks] if cuda_peak >= 0 else None,
+           "full": opt.full_state_dict() if keep_params else None,
+           **{key: most[key] for key in ("runtime", "used", "per_block")}}
+    for kind in ("mem", "peak", "build_peak"):
+        res[kind] = {k: most[kind, k] for k in mem}
+    res["peak"] = res["peak"] if res["peak"]["params"] >= 0 else None
+    return res
 
 
 def data_position(args, world):
@@ -2053,33 +1983,28 @@ def read_state_dict(path):
 
 def report(res, args):
     psi, stage, world, k = res["psi"], res["stage"], res["world"], args.grad_accum
-    G = getattr(args, "shard_size", None) or world  # hybrid sharding: what is sharded is 1/G
-    n = "N" if G == world else "G"
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)  # bytes per parameter: the paper's, or fp32
+    G = args.shard_size or world  # hybrid sharding: what is sharded is 1/G
+    n, (pb, gb, ob) = "N" if G == world else "G", bytes_per_parameter(args)
     formula = memory_formula(stage, psi, world, pb, gb, ob, shard_size=G)
-    labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3),
-              "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
+    labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3), "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
               "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1)}
     peak, ours = res["peak"] or {}, res["label"].startswith("zero.py")  # notes on zero.py only
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
-         f"\n  formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)")
-    log0(f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
+         f"\n  formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)\n"
+         f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
     for kind in ("params", "grads", "optimizer"):
         log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
              f"   {format(peak[kind], ',') if peak else 'not measured':>18}")
     total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
              f"{pb + gb + ob}Ψ/{n}"][stage]
     log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} "
-         f"{sum(formula.values()):>12,.0f}")
-    log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
-         "full-unit\n"
-         "   gradients of stages 2 and 3, with their all-to-all receive buffers on gloo/CPU, and "
-         "the\n"
-         "   gathered units of stage 3" + ("; in mixed precision, the fp32 copy of the gradients "
-                                           "the\n   optimizer steps with)"
-                                           if getattr(args, "bf16", False) else ")"))
-    built = res.get("build_peak") or {}
-    if ours and built.get("params", -1) >= 0:  # the model came built on the meta device
+         f"{sum(formula.values()):>12,.0f}\n  (measured includes padding and Adam's step "
+         "counters; 'peak' adds the transient full-unit\n   gradients of stages 2 and 3, with "
+         "their all-to-all receive buffers on gloo/CPU, and the\n   gathered units of stage 3"
+         + ("; in mixed precision, the fp32 copy of the gradients the\n   optimizer steps with)"
+            if args.bf16 else ")"))
+    built = res["build_peak"]
+    if ours and built["params"] >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
              f"{sum(built.values()):,} bytes\n   of model state held on a rank, against "
              f"{4 * psi:,} for the whole model's parameters as built (fp32)")
@@ -2093,44 +2018,41 @@ def report(res, args):
              "all_gather": f"{2 * k}·{ring}" if stage == 3 else ring,
              "all_reduce across groups": f"{1 if stage == 1 else k}·2Ψ/G (R-1)/R"}
     width = 24 if G < world else 15
-    for kind in sorted(set(comm) | set(expected)):
-        log0(f"  {kind:<{width}} {comm.get(kind, 0):>14,.0f}   {names.get(kind, '-'):<15} "
-             f"{expected.get(kind, 0):>14,.0f}")
-    log0(f"  {'total':<{width}} {sum(comm.values()):>14,.0f}   {'':<15} "
-         f"{sum(expected.values()):>14,.0f}")
+    for kind in [*sorted(set(comm) | set(expected)), "total"]:
+        got, want = (sum(d.values()) if kind == "total" else d.get(kind, 0) for d in (comm, expected))
+        log0(f"  {kind:<{width}} {got:>14,.0f}   {names.get(kind, '-') * (kind != 'total'):<15} "
+             f"{want:>14,.0f}")
+    notes = []
     if G < world:  # the point of hybrid sharding: only the shard's all-reduce crosses groups
         across = "all_reduce across groups"
-        log0(f"  (inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
-             f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula;\n   across the "
-             f"R = {world // G} groups: {comm.get(across, 0):,.0f}, formula "
-             f"{expected.get(across, 0):,.0f})")
-    if stage == 3 and ours:
-        log0("  (stage 3: the root unit stays gathered from forward into backward, one all-gather "
-             "fewer)")
-    if ours and stage > 0 and DIRECT and dist.get_backend() == "gloo" and res["cuda_peak"] is None:
-        log0(f"  (gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
-             f"{A2A_BYTES >> 20} MB),"
-             "\n   all_gather as N broadcasts: the same bytes per rank, in less time; see\n"
-             "   reduce_scatter() in zero.py)")
-    if ours and stage > 0 and dist.get_backend() == "gloo" and res["cuda_peak"] is not None:
-        log0("  (gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of the whole "
-             "input,\n   through host memory: on the wire an all-reduce's bytes, twice a ring "
-             "reduce-scatter's,\n   and on the GPU one more full-unit gradient per reduction in "
-             "flight, not in 'peak')")
+        notes.append(f"inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} "
+                     f"measured, {sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
+                     f"\n   across the R = {world // G} groups: {comm.get(across, 0):,.0f}, "
+                     f"formula {expected.get(across, 0):,.0f}")
+    gloo = ours and stage > 0 and dist.get_backend() == "gloo"
+    notes += ["stage 3: the root unit stays gathered from forward into backward, one all-gather "
+              "fewer"] * (stage == 3 and ours)
+    notes += [f"gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
+              f"{A2A_BYTES >> 20} MB),\n   all_gather as N broadcasts: the same bytes per rank, "
+              "in less time; see\n   reduce_scatter() in zero.py"] * (gloo and DIRECT and
+                                                                     res["cuda_peak"] is None)
+    notes += ["gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of the whole "
+              "input,\n   through host memory: on the wire an all-reduce's bytes, twice a ring "
+              "reduce-scatter's,\n   and on the GPU one more full-unit gradient per reduction in "
+              "flight, not in 'peak'"] * (gloo and res["cuda_peak"] is not None)
     if ours and comm.get("all_reduce") and world > 1:
-        why = ["16 bytes a step that check ranks agree (check_steps)"]
-        if stage >= 1:
-            why.append("the sum of squares for clipping by the global gradient norm"
-                       if args.clip > 0 else
-                       "the sum of squares for the global gradient norm, checked finite")
-        log0("  (all_reduce" + (" includes " if stage == 0 else ": ")
-             + ",\n   and ".join(why) + ")")
+        why = ["16 bytes a step that check ranks agree (check_steps)"] + [
+            "the sum of squares for clipping by the global gradient norm" if args.clip > 0 else
+            "the sum of squares for the global gradient norm, checked finite"] * (stage >= 1)
+        notes.append("all_reduce" + (" includes " if stage == 0 else ": ") + ",\n   and ".join(why))
+    for note in notes:
+        log0(f"  ({note})")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
     if res["cuda_peak"]:
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
-    if getattr(args, "max_memory", None) and res["used"] >= 0:
+    if args.max_memory and res["used"] >= 0:
         log0(f"--max-memory {_si(args.max_memory)}B per rank: at most {_si(res['used'])}B used "
              f"above the runtime, {_si(res['used'] - sum(peak.values()))}B of it not model state"
              + (f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else "")
@@ -2138,90 +2060,18 @@ def report(res, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# The memory wall. --max-memory SIZE puts a real limit on what each rank may allocate, one the
-# operating system (or CUDA's allocator) enforces, so that "this stage fits in this much memory"
-# is a fact and not a formula; --largest-model then finds, by trying, the largest demo GPT that
-# each stage trains within it: how much larger a model ZeRO trains on the same ranks.
-
-MIN_MEMORY = 10**6  # --max-memory: below it a thread the runtime starts can abort the process
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def memory_size(text):
-    """An argparse type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes."""
-    number = text.strip().rstrip("BbIiKkMmGgTt ")
-    unit = text.strip()[len(number):].strip().upper()
-    try:
-        size = float(number) * UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
-    if not 0 < size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive" if not size > 0 else
-                                          f"{text!r} is too large (at most 4EiB)")
-    return int(size)
-
-
-class OutOfMemory(Exception):
-    """A rank ran out of memory (under --max-memory, or a real one): one line, exit code 4."""
-
-
-def out_of_memory(e):
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
-        m in str(e) for m in ("can't allocate memory", "Cannot allocate memory", "bad_alloc"))
-
-
-@dataclasses.dataclass
-class Progress:
-    """What this rank is doing, kept up to date by train() and by hooks on the demo GPT's blocks
-    (track), for the line that names where memory ran out (oom_line): the forward or the backward
-    of which block, in which step. memory.Watch adds the data size at each of these moments."""
-    what: str = "building the model"
-    step: int = None
-
-    def note(self, what):
-        self.what = what
-
-    def block_forward(self, name):
-        self.note(f"the forward of {name}")
-
-    def track(self, model):
-        def backward_next(name, module, args, output):
-            if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(lambda g: self.note(f"the backward of {name}"))
-        for i, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(lambda m, a, name=f"blocks.{i}": self.block_forward(name))
-            block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
-
-    def used(self):  # bytes allocated above the runtime at the most (memory.Watch): unknown
-        return -1
-
-    def per_block(self):  # what one more block adds (memory.Watch): unknown
-        return 0
-
-
-def oom_line(args, rank, world, psi, progress):
-    G = args.shard_size or world
-    pb, gb, ob = (2, 2, 12) if args.bf16 else (4, 4, 8)
-    need = sum(memory_formula(args.stage, psi, world, pb, gb, ob, shard_size=G).values())
-    step = f"step {progress.step}, " if progress.step else ""
-    limit = f" (--max-memory {_si(args.max_memory)}B)" if getattr(args, "max_memory", None) \
-        else ""
-    return (f"rank {rank}: out of memory in {step}{progress.what}{limit}; stage {args.stage}'s "
-            f"formula: its model state alone is {_si(need)}B per rank (Ψ = {psi:,}, N = {world}"
-            + (f", G = {G})" if G < world else ")"))
-
-
-# ----------------------------------------------------------------------------------------------
 # Command line: bad input is one line on stderr and exit code 2, never a traceback
+
+class UsageError(Exception):
+    """Bad input from the command line or the environment: printed as one line, exit code 2."""
+
 
 class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows every option's default: its value, or what the help says None means."""
 
     def _get_help_string(self, action):
-        if "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+        return action.help if "(default" in (action.help or "") else \
+            super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -2244,42 +2094,57 @@ def positive(kind):
     return parse
 
 
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def memory_size(text):
+    """An argparse type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes."""
+    number = text.strip().rstrip("BbIiKkMmGgTt ")
+    try:
+        size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
+    if not 0 < size < 2**62:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive" if not size > 0 else
+                                          f"{text!r} is too large (at most 4EiB)")
+    return int(size)
+
+
 def training_parser(description):
     p = Parser(description=description)
     p.add_argument("--stage", type=int, default=3, choices=range(4),
                    help="0 data parallel, 1-3 ZeRO")
-    p.add_argument("--steps", type=positive(int), default=30, help="optimizer steps to train")
+    for flag, kind, default, text in [
+            ("--steps", int, 30, "optimizer steps to train"),
+            ("--n-layer", int, 4, "transformer blocks"), ("--d-model", int, 64, "width"),
+            ("--n-head", int, 4, "attention heads"), ("--seq-len", int, 64, "bytes per row"),
+            ("--batch-size", int, 8, "rows per rank per micro-batch"),
+            ("--grad-accum", int, 1, "micro-batches (backward calls) per step"),
+            ("--lr", float, 3e-3, "AdamW's learning rate; applied also when resuming"),
+            ("--timeout", float, 120, f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} "
+                                      f"to {TIMEOUTS[1]:g}")]:
+        p.add_argument(flag, type=positive(kind), default=default, help=text)
     p.add_argument("--seed", type=int, default=0,
                    help=f"seeds the weights and the batches, 0 to {SEEDS - 1}")
-    p.add_argument("--n-layer", type=positive(int), default=4, help="transformer blocks")
-    p.add_argument("--d-model", type=positive(int), default=64, help="width")
-    p.add_argument("--n-head", type=positive(int), default=4, help="attention heads")
-    p.add_argument("--seq-len", type=positive(int), default=64, help="bytes per row")
     p.add_argument("--data", metavar="FILE",
                    help="train on this file's bytes (default: corpus(), text made by zero.py)")
-    p.add_argument("--batch-size", type=positive(int), default=8,
-                   help="rows per rank per micro-batch")
-    p.add_argument("--grad-accum", type=positive(int), default=1,
-                   help="micro-batches (backward calls) per step")
-    p.add_argument("--lr", type=positive(float), default=3e-3,
-                   help="AdamW's learning rate; applied also when resuming from a checkpoint")
     p.add_argument("--clip", type=float, default=1.0,
                    help="global gradient-norm clip; 0 turns it off")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip a step whose loss or gradient norm is not finite (inf, nan) and go "
-                        "on, instead of stopping the run there")
     p.add_argument("--backend", choices=["nccl", "gloo"],
                    help="(default: nccl if every local rank has a GPU of its own, else gloo)")
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="(default: cuda if every local rank has a GPU of its own and --backend "
                         "is not gloo, else cpu)")
-    p.add_argument("--timeout", type=positive(float), default=120,
-                   help=f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} to "
-                        f"{TIMEOUTS[1]:g}")
-    p.add_argument("--bf16", action="store_true",
-                   help="mixed precision: bf16 compute, fp32 master weights and reductions")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="reduce in step() (stages 0, 1), wait for each collective, no prefetch")
+    for flag, text in [
+            ("--skip-nonfinite", "skip a step whose loss or gradient norm is not finite (inf, "
+                                 "nan) and go on, instead of stopping the run there"),
+            ("--bf16", "mixed precision: bf16 compute, fp32 master weights and reductions"),
+            ("--no-overlap", "reduce in step() (stages 0, 1), wait for each collective, no "
+                             "prefetch"),
+            ("--no-step-check", "skip the per-step check that ranks communicated the same units "
+                                "(one 16-byte all_reduce a step)")]:
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument("--bucket-mb", type=float, default=0,
                    help="stages 0-2: cut the parameters into buckets of this many MiB (DDP: 25; "
                         "0: each unit its own bucket)")
@@ -2293,44 +2158,52 @@ def training_parser(description):
                    help="continue the run of a checkpoint, zero.py's or FSDP2's (DCP), of any "
                         "stage and world size: DIR, or the newest in DIR; a checkpoint in "
                         "--ckpt-dir comes first (default: none)")
+    p.add_argument("--ckpt-dir",
+                   help="write checkpoints here and resume from the newest complete one; one job "
+                        "per directory (default: no checkpoints)")
+    p.add_argument("--ckpt-every", type=positive(int),
+                   help="steps between checkpoints (default: after the last step only)")
     p.add_argument("--max-memory", type=memory_size, metavar="SIZE",
                    help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its "
                         "runtime, enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on "
                         "a GPU; running out is one line, exit code 4 (default: no limit)")
-    p.add_argument("--no-step-check", action="store_true",
-                   help="skip the per-step check that ranks communicated the same units (one "
-                        "16-byte all_reduce a step)")
+    p.set_defaults(record_step=None)  # --timeline: the step whose events are recorded
     return p
 
 
 SEEDS = 2**32  # --seed: 0 to 2**32 - 1 (get_batch multiplies it into a 64-bit generator seed)
 TIMEOUTS = (1, 1e7)  # --timeout, seconds: below 1 s set-up fails; timedelta and c10d overflow
+MIN_MEMORY = 10**6  # --max-memory: below it a thread the runtime starts can abort the process
 
 
 def check_args(args):
-    if args.d_model % args.n_head:
-        raise UsageError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
-    if args.lr > torch.finfo(torch.float32).max:  # the optimizer's fp32 arithmetic overflows
-        raise UsageError(f"--lr {args.lr:g} is beyond float32's range")
-    if not 0 <= args.clip < float("inf"):
-        raise UsageError(f"--clip must be 0 (off) or a positive number, not {args.clip}")
-    if not 0 <= args.bucket_mb * 2**20 < float("inf"):
-        raise UsageError("--bucket-mb must be 0 (one bucket per unit) or a positive number, "
-                         f"not {args.bucket_mb}")
-    if args.init_from and args.resume_from:
-        raise UsageError("--init-from starts a run, --resume-from continues one: not both")
-    if not 0 <= args.seed < SEEDS:
-        raise UsageError(f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}")
-    if not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1]:
-        raise UsageError(f"--timeout must be from {TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, "
-                         f"not {args.timeout:g}")
-    if args.max_memory is not None and args.max_memory < MIN_MEMORY:  # (glibc then aborts)
-        raise UsageError(f"--max-memory {args.max_memory:,} bytes leaves no room for the threads "
-                         f"the runtime still starts (their stacks count): at least 1MB")
-    if args.data is not None and not (os.path.isfile(args.data) and os.access(args.data, os.R_OK)):
-        raise UsageError(f"--data {args.data}: not a file that can be read")
-    size = os.path.getsize(args.data) if args.data else len(corpus())  # a row: seq_len + 1 bytes
-    if args.seq_len > size - 2:
+    size = len(corpus()) if args.data is None else \
+        os.path.getsize(args.data) if os.path.isfile(args.data) else None
+    for bad, message in [
+            (args.d_model % args.n_head, f"--d-model {args.d_model} is not divisible by "
+                                         f"--n-head {args.n_head}"),
+            (args.lr > torch.finfo(torch.float32).max,  # the optimizer's fp32 arithmetic
+             f"--lr {args.lr:g} is beyond float32's range"),
+            (not 0 <= args.clip < float("inf"),
+             f"--clip must be 0 (off) or a positive number, not {args.clip}"),
+            (not 0 <= args.bucket_mb * 2**20 < float("inf"),
+             f"--bucket-mb must be 0 (one bucket per unit) or a positive number, not "
+             f"{args.bucket_mb}"),
+            (args.init_from and args.resume_from,
+             "--init-from starts a run, --resume-from continues one: not both"),
+            (not 0 <= args.seed < SEEDS, f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}"),
+            (not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1],
+             f"--timeout must be from {TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, not "
+             f"{args.timeout:g}"),
+            (args.max_memory is not None and args.max_memory < MIN_MEMORY,  # (glibc aborts)
+             f"--max-memory {args.max_memory or 0:,} bytes leaves no room for the threads the "
+             "runtime still starts (their stacks count): at least 1MB"),
+            (args.data is not None and (size is None or not os.access(args.data, os.R_OK)),
+             f"--data {args.data}: not a file that can be read"),
+            (args.ckpt_every and not args.ckpt_dir, "--ckpt-every needs --ckpt-dir")]:
+        if bad:
+            raise UsageError(message)
+    if args.seq_len > size - 2:  # a row is seq_len + 1 bytes
         raise UsageError(f"--seq-len {args.seq_len} is longer than the data allows: at most "
                          f"{size - 2} ({args.data or 'corpus()'} has {size} bytes)")
     return args
@@ -2347,15 +2220,12 @@ def main(argv=None):
     p.add_argument("--largest-model", action="store_true",
                    help="find the largest demo GPT (more blocks) each stage trains within "
                         "--max-memory on --world-size ranks, launching the trials itself")
-    p.add_argument("--ckpt-dir",
-                   help="write sharded checkpoints here and resume from the newest complete one; "
-                        "one job per directory (default: no checkpoints)")
-    p.add_argument("--ckpt-every", type=positive(int),
-                   help="steps between checkpoints (default: after the last step only)")
     p.add_argument("--consolidate", metavar="DIR",
                    help="write the newest checkpoint in DIR (or DIR itself, a checkpoint) as one "
                         "plain state_dict (--out) and exit (default: train)")
-    p.add_argument("--out", metavar="FILE", help="--consolidate: the file to write (default: none)")
+    p.add_argument("--out", metavar="FILE",
+                   help="--consolidate: the file to write, .pt, .safetensors or .dcp (default: "
+                        "none)")
     p.add_argument("--timeline", metavar="FILE.svg",
                    help="draw the model-state bytes after every event of the last step "
                         "(default: none)")
@@ -2366,33 +2236,24 @@ def main(argv=None):
     if args.timeline or args.timeline_all:
         _memory().check_timeline_args(args)
         args.record_step = args.steps
-    if args.ckpt_every and not args.ckpt_dir:
-        raise UsageError("--ckpt-every needs --ckpt-dir")
     if args.world_size and args.shard_size and args.world_size % args.shard_size:
         raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
                          f"{args.world_size}")
     if args.largest_model:
-        if args.max_memory is None or args.world_size is None:
-            raise UsageError("--largest-model needs --max-memory and --world-size")
-        if "RANK" in os.environ:
-            raise UsageError("--largest-model launches its own ranks: run it without torchrun")
-        if args.world_size < 2:
-            raise UsageError("--largest-model compares the stages, which differ only with 2 "
-                             "ranks or more: --world-size 2 at least")
+        _memory().check_largest_model_args(args)
     elif args.world_size is not None and not args.estimate:
         raise UsageError("--world-size is for --estimate and --largest-model")
-    if args.params is not None and not args.estimate:
-        raise UsageError("--params is for --estimate")
-    if args.out and not args.consolidate:
-        raise UsageError("--out is for --consolidate")
+    for flag, only in (("params", "estimate"), ("out", "consolidate")):
+        if getattr(args, flag) is not None and not getattr(args, only):
+            raise UsageError(f"--{flag} is for --{only}")
     if args.estimate:
         if args.params is None or args.world_size is None:
             raise UsageError("--estimate needs --params and --world-size")
         if args.ckpt_dir:
             raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
-        stage_given = _flag_given(p, "--stage", argv)
-        estimate(args.params, args.world_size, args.shard_size,
-                 [args.stage] if stage_given else range(4))
+        names = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
+        given = any(len(n) > 2 and "--stage".startswith(n) for n in names)  # (or abbreviated)
+        estimate(args.params, args.world_size, args.shard_size, [args.stage] if given else range(4))
     elif args.consolidate:
         _checkpoints().consolidate_command(args)
     elif args.largest_model:
@@ -2408,15 +2269,6 @@ def main(argv=None):
                 _memory().show_timeline([_memory().timeline_panel(res, args)], args.timeline)
 
 
-def _flag_given(parser, flag, argv):
-    """Whether the command line names `flag` (or an abbreviation argparse takes for it), and not
-    only its default applies."""
-    argv = sys.argv[1:] if argv is None else argv
-    names = [a.split("=")[0] for a in argv if a.startswith("--")]
-    return any(n == flag or (parser.allow_abbrev and len(n) > 2 and flag.startswith(n))
-               for n in names)
-
-
 PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out",
                  "timed out", "NCCL")
 
@@ -2425,40 +2277,35 @@ def run(main, argv=None):
     """Run a command-line main (`def main():`, or `def main(argv):` given argv): bad input is
     one line and exit code 2; a run stopped by a loss or gradient norm that is not finite, one
     line and exit code 3; a rank out of memory, one line (that rank's) and exit code 4."""
+    import inspect  # a script's `def main():` takes nothing; zero.py's own main takes argv
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
-    import inspect  # a script's `def main():` takes nothing; zero.py's own main takes argv
-    takes_argv = bool(inspect.signature(main).parameters)
     try:
-        main(argv) if takes_argv else main()
+        main(argv) if inspect.signature(main).parameters else main()
     except (UsageError, Diverged) as e:
-        if rank0:
-            say(f"{prog}: error: {e}")
-        code = 2 if isinstance(e, UsageError) else 3
+        code, line = (2 if isinstance(e, UsageError) else 3), f"error: {e}" * rank0
     except ValueError as e:
         # wrap's own checks ("zero: ranks disagree: ..." on every rank, before any training) are
         # about what the ranks were told to run, not bugs: one line. Any other ValueError is a bug.
         if not str(e).startswith("zero: "):
             raise
-        if rank0:
-            say(f"{prog}: error: {str(e)[len('zero: '):]}")
-        code = 2
+        code, line = 2, f"error: {str(e)[len('zero: '):]}" * rank0
     except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
-        say(f"{prog}: error: {e}")
-        code = 4
+        code, line = 4, f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
-        if rank0:
-            say(f"{prog}: interrupted" + ("; the checkpoints written so far are intact"
-                                           if "--ckpt-dir" in (argv or sys.argv) else ""))
-        code = 130
+        code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" * (
+            "--ckpt-dir" in (argv or sys.argv))) * rank0
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in PEER_FAILURES):
             raise
-        say(f"{prog}: error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
-            f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})")
-        code = 1
+        code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
+                         f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})")
+    else:
+        line = ""
+    if line:
+        say(f"{prog}: {line}")
     if dist.is_initialized() and code not in (1, 4, 130):
         dist.destroy_process_group()
     # Leave without the interpreter's teardown. With torch 2.13's gloo, a worker thread can still be
