@@ -57,7 +57,8 @@ def checkpoint_part(zero):
     """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
     unit's fp32 master weights and per-element optimizer state, the optimizer scalars (Adam's
     step count) of each parameter it steps, and hyper-parameters, the layout; rank 0 also the
-    frozen parameters and buffers."""
+    frozen parameters and buffers. Every tensor a copy on the CPU, made piece by piece: a save
+    holds no more device memory than training does, and loads where there is no GPU."""
     units, q = [], part_index(zero.rank, zero.world, zero.N)
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {piece: zero.optimizer.state.get(piece, {}) for u in zero.units for piece in u.pieces}
@@ -71,7 +72,7 @@ def checkpoint_part(zero):
     for u in zero.units:
         for piece, owners in zip(u.pieces, u.owners):
             for p in owners if state[piece] else ():  # a copy: a later step must not change it
-                scalars[names[p]] = {k: v.clone() if torch.is_tensor(v) else v
+                scalars[names[p]] = {k: v.to("cpu", copy=True) if torch.is_tensor(v) else v
                                      for k, v in state[piece].items() if not per_element(v, piece)}
     for u in zero.units:
         S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
@@ -81,14 +82,15 @@ def checkpoint_part(zero):
         def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
             starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
             pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
-            return _wide(torch.cat([u.master[:0]] + [t.detach() for t in pieces if t.numel()]))
+            return _wide(torch.cat([u.master[:0].cpu()] + [t.detach().cpu() for t in pieces
+                                                            if t.numel()]))
         units.append({"master": mine(u.pieces), "state": {
-            k: mine([state[piece].get(k, torch.zeros_like(piece)) for piece in u.pieces])
+            k: mine([state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces])
             for k in keys}})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
             "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
-            "replicated": {n: t.detach().clone() for n, t in replicated(zero.model)}
+            "replicated": {n: t.detach().to("cpu", copy=True) for n, t in replicated(zero.model)}
             if zero.rank == 0 else {}}
 
 

@@ -23,11 +23,36 @@ import torch
 import torch.distributed as dist
 
 from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, bytes_per_parameter, \
-    check_args, log0, memory_formula, train, training_parser
+    check_args, gpu_each, log0, memory_formula, train, training_parser
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
 # allocator), so that "this stage fits in this much memory" is a fact and not a formula.
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+MIN_MEMORY = 10**6  # below it a thread the runtime starts can abort the process (glibc)
+
+
+def memory_size(text):
+    """--max-memory's type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes, at least
+    MIN_MEMORY: what threads the runtime still starts need (their stacks count)."""
+    number = text.strip().rstrip("BbIiKkMmGgTt ")
+    try:
+        size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
+    if not 0 < size < 2**62:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive" if not size > 0 else
+                                          f"{text!r} is too large (at most 4EiB)")
+    if size < MIN_MEMORY:
+        raise argparse.ArgumentTypeError(f"{text} leaves no room for the threads the runtime "
+                                          "still starts (their stacks count): at least 1MB")
+    return int(size)
+
+
 
 def _status(field, *more):  # bytes, from this process's /proc/self/status (Linux); with more
     with open("/proc/self/status") as f:  # fields than one, {field: bytes} read at one moment
@@ -154,7 +179,8 @@ def largest_model(args):
     wall_guess() says where, from what the trials that fitted measured."""
     N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
     pb, gb, ob = bytes_per_parameter(args)
-    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+    cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
+    if not cuda:  # the trials run on CPU tensors, as choose_device would put them
         with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
             free = next(int(line.split()[1]) * 1024 for line in f
                         if line.startswith("MemAvailable:"))

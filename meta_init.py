@@ -34,10 +34,12 @@ import torch
 
 def materialize(zero, init):
     """The units of a model built on the meta device, each ready to be sharded (wrap's loop):
-    each unit is allocated on zero.device and initialized just before it is handed out: init(m)
-    for every module m in model.apply()'s order (default: m.reset_parameters(), where m has one;
-    a module with tensors of its own on the meta device and no reset_parameters is an error).
-    Every element starts as NaN, so one that init() leaves unset is an error, not garbage."""
+    each unit is allocated and initialized just before it is handed out: init(m) for every
+    module m in model.apply()'s order (default: m.reset_parameters(), where m has one; a module
+    with tensors of its own on the meta device and no reset_parameters is an error). Every
+    element starts as NaN, so one that init() leaves unset is an error, not garbage. The init
+    runs on the CPU, whose random numbers are the same whatever the device: a model built on
+    a GPU gets the weights it gets on the CPU; each unit then moves to zero.device."""
     model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
     modules, pnames = list(_apply_order(model)), {p: n for n, p in model.named_parameters()}
     bnames = {b: n for n, b in model.named_buffers()}
@@ -63,12 +65,12 @@ def materialize(zero, init):
             if p in owner and owner[p].flat.is_meta:
                 _materialize_unit(zero, owner[p])
             elif p.is_meta:  # a frozen parameter: not sharded, held whole as in a normal build
-                _swap_in(p, _unset(torch.empty_like(p, device=zero.device)))
+                _swap_in(p, _unset(torch.empty_like(p, device="cpu")))
                 fresh.append((p, pnames[p]))
         for name, b in m._buffers.items():
             if b is not None and (b.is_meta or b.device != zero.device):
                 if b not in made:
-                    made[b] = _unset(torch.empty_like(b, device=zero.device)) if b.is_meta \
+                    made[b] = _unset(torch.empty_like(b, device="cpu")) if b.is_meta \
                         else b.to(zero.device)
                     fresh += [(made[b], bnames[b])] * b.is_meta
                 m._buffers[name] = made[b]
@@ -83,9 +85,15 @@ def materialize(zero, init):
                              "the module's parameters in place (torch.nn.init, copy_)")
         for u in [u for u, at in last.items() if at == k]:
             _check_set([(p, pnames[p]) for p in u.params])
+            u.flat = u.flat.to(zero.device)  # (the CPU: the same tensor)
+            for p in u.params:
+                p.data = u.view(u.flat, p)
+            u.shard = u.master = u.flat[u.my_slice]
             yield u
             released.append(u.flat.untyped_storage())
     _check_set(fresh)
+    for t, _ in fresh:  # frozen parameters and buffers, initialized on the CPU too
+        t.data = t.data.to(zero.device)
 
 
 def _apply_order(m):  # the modules in nn.Module.apply's order: children first, then m
@@ -120,7 +128,7 @@ class _NoWritesOutside(torch.overrides.TorchFunctionMode):
 
 
 def _materialize_unit(zero, unit):
-    unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device=zero.device)
+    unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device="cpu")
     for p in unit.params:  # each parameter becomes a view of the flat buffer, as in Unit()
         _swap_in(p, _unset(unit.view(unit.flat, p)))
     unit.shard = unit.master = unit.flat[unit.my_slice]

@@ -84,8 +84,8 @@ import conftest
 import memory
 import zero
 from conftest import (B, CASES, CKPT, CUDA_RUNS, D, ENV, H, HERE, STEPS, T, TINY, V, Net,
-                      global_batch, losses, main_printed, reference, run_id, run_steps, scenario,
-                      unit_layout, wrapped)
+                      assert_trains_like, global_batch, losses, main_printed, reference, run_id,
+                      run_steps, scenario, unit_layout, wrapped)
 
 # ----------------------------------------------------------------------------------------------
 # Every stage, every way: what each rank runs, and what it records
@@ -240,9 +240,9 @@ RUNS = [("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS]  # (transport, N): the C
 
 @pytest.fixture(scope="module", params=RUNS, ids=run_id)
 def ranks(request, ran):
-    """(N, every rank's result of `trained`) at each N, on CPU tensors and on a GPU."""
+    """(N, every rank's result of `trained`, on a GPU?) at each N, on CPU tensors and on a GPU."""
     transport, world = request.param
-    return world, ran(trained, world, transport)
+    return world, ran(trained, world, transport), transport != "cpu"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,15 +251,11 @@ def ranks(request, ran):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("stage", range(4))
 def test_matches_single_process_reference(ranks, stage, case):
-    world, results = ranks
+    world, results, cuda = ranks
     want = reference(case, world)
     initial = {n: p.detach() for n, p in Net(seed=100).named_parameters()}
     for r, res in enumerate(results):
-        got = res[(stage, case)]["full"]
-        assert list(got) == list(want)
-        for name in want:
-            diff = (got[name] - want[name]).abs().max().item()
-            assert diff <= 1e-5, f"rank {r} {name}: differs from the reference by {diff:.2e}"
+        assert_trains_like(res[(stage, case)]["full"], want, cuda, what=f"rank {r}")
     moved = max((want[n] - initial[n]).abs().max().item() for n in want if n != "frozen.weight")
     assert moved > 1e-2  # the comparison is not between two untrained models
     assert torch.equal(want["frozen.weight"], initial["frozen.weight"])
@@ -282,7 +278,7 @@ def test_clipping_really_clips():
 
 @pytest.mark.parametrize("stage", range(4))
 def test_memory_matches_formula(ranks, stage):
-    world, results = ranks
+    world, results, cuda = ranks
     for res in results:
         rec = res[(stage, "adamw")]
         lay = rec["layout"]
@@ -300,7 +296,7 @@ def test_memory_matches_formula(ranks, stage):
 def test_sharded_state_is_never_whole(ranks, stage):
     # Stage 2: the full gradient of the whole model never exists at once (the reduce-scatter runs
     # during backward and frees each unit's). Stage 3: neither do the full parameters.
-    world, results = ranks
+    world, results, cuda = ranks
     if world == 1:
         pytest.skip("with one rank a shard is the whole model")
     for res in results:
@@ -325,7 +321,7 @@ def test_peak_follows_every_change(ranks, stage):
     # opt.peak grows from a running total that Meter.event corrects one unit at a time, where
     # memory changes. Sampled from inside forward and backward, the total equals a full
     # measurement (memory_breakdown()) every time: no change goes uncounted.
-    world, results = ranks
+    world, results, cuda = ranks
     for res in results:
         for key in [(stage, case) for case in CASES] + [(stage, "no-overlap"), (stage, "bf16")]:
             assert res[key]["untracked"] == 0, key
@@ -357,7 +353,7 @@ CHECK = 2 * 16  # ring bytes of the per-step check that ranks agree (zero.check_
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("stage", range(4))
 def test_communication_matches_formula(ranks, stage, case):
-    world, results = ranks
+    world, results, cuda = ranks
     for res in results:
         rec = res[(stage, case)]
         want = expected_comm(stage, case, world, rec["layout"])
@@ -372,12 +368,11 @@ def test_communication_matches_formula(ranks, stage, case):
 def test_every_backward_may_reduce(ranks, stage):
     # Without no_sync() every backward reduces (stages 2 and 3 always do): k = 2 reductions per
     # step, and the result is still the reference's.
-    world, results = ranks
+    world, results, cuda = ranks
     want = reference("sgd-accum", world)
     for res in results:
         rec = res[(stage, "every-backward")]
-        for name in want:
-            assert (rec["full"][name] - want[name]).abs().max().item() <= 1e-5, name
+        assert_trains_like(rec["full"], want, cuda)
         ring = 4 * (world - 1) * sum(rec["layout"]["S"])
         reductions = rec["comm"].get("all_reduce" if stage == 0 else "reduce_scatter", 0)
         check = CHECK * (world - 1) / world if stage == 0 else 0
@@ -386,7 +381,7 @@ def test_every_backward_may_reduce(ranks, stage):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_buckets_merge_and_split_units_and_change_nothing_else(ranks, stage):
-    world, results = ranks
+    world, results, cuda = ranks
     want = reference("adamw", world)
     # Walking backwards from the head's bias (52 bytes), a bucket closes once it holds 300 bytes:
     # the norm and the last Linear of block 1 (388), then block 1's first Linear (308), block 0's
@@ -400,8 +395,7 @@ def test_buckets_merge_and_split_units_and_change_nothing_else(ranks, stage):
             assert rec["layout"]["S"] == plain["layout"]["S"]  # units as given: what a module gathers
         else:
             assert rec["names"] == buckets
-        for name in want:
-            assert (rec["full"][name] - want[name]).abs().max().item() <= 1e-5, name
+        assert_trains_like(rec["full"], want, cuda)
         for step in rec["comm"]:  # the same bytes as the formula, in fewer calls
             assert {k: v for k, v in step.items() if v} == {k: v for k, v in expected_comm(stage, "adamw", world, rec["layout"]).items() if v}
 
@@ -412,13 +406,11 @@ def test_buckets_merge_and_split_units_and_change_nothing_else(ranks, stage):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_overlap_changes_nothing_but_timing(ranks, stage):
-    results = ranks[1]
+    world, results, cuda = ranks
     for res in results:
         on, off = res[(stage, "adamw")], res[(stage, "no-overlap")]
-        for name, t in on["full"].items():
-            assert torch.equal(t, off["full"][name]), name  # bit-identical (N = 1, 2, 4: see three_ranks)
-        for name, t in res[(stage, "sgd")]["full"].items():
-            assert torch.equal(t, res[(stage, "no-overlap sgd")][name]), name
+        assert_trains_like(on["full"], off["full"], cuda, tol=0)  # bit-identical (on a GPU: see there)
+        assert_trains_like(res[(stage, "sgd")]["full"], res[(stage, "no-overlap sgd")], cuda, tol=0)
         # Both runs are sampled under landed_only_when_waited: "in flight" is what zero.py has
         # issued and not waited for, whatever the backend had finished by then. (That the bytes
         # really move while backward computes is a matter of timing, and not asserted.) With
@@ -431,12 +423,11 @@ def test_overlap_changes_nothing_but_timing(ranks, stage):
 @pytest.mark.parametrize("way", ["native", "reduces"])
 @pytest.mark.parametrize("stage", range(4))
 def test_each_way_of_reducing_trains_the_same(ranks, stage, way):
-    world, results = ranks
+    world, results, cuda = ranks
     want = reference("adamw", world)
     for res in results:
         other, direct = res[(stage, way)], res[(stage, "adamw")]
-        for name, t in other["full"].items():
-            assert (t - want[name]).abs().max().item() <= 1e-5, name
+        assert_trains_like(other["full"], want, cuda)
         assert other["comm"] == direct["comm"]
 
 
@@ -488,7 +479,7 @@ def test_direct_exchange_equals_the_native_collectives(ran, world):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_mixed_precision_memory_matches_the_paper(ranks, stage):
-    world, results = ranks
+    world, results, cuda = ranks
     for res in results:
         rec = res[(stage, "bf16")]
         padded = world * sum(rec["layout"]["S"])
@@ -507,7 +498,7 @@ def test_mixed_precision_memory_matches_the_paper(ranks, stage):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_mixed_precision_trains_close_to_fp32(ranks, stage):
-    world, results = ranks
+    world, results, cuda = ranks
     want = reference("adamw", world)
     initial = {n: p.detach() for n, p in Net(seed=100).named_parameters()}
     got = results[0][(stage, "bf16")]["full"]
@@ -521,7 +512,7 @@ def test_mixed_precision_trains_close_to_fp32(ranks, stage):
 @pytest.mark.parametrize("stage", range(4))
 def test_mixed_precision_communication(ranks, stage):
     # bf16 all-gathers (2 bytes per element), fp32 reductions (4), or bf16 ones when asked
-    world, results = ranks
+    world, results, cuda = ranks
     rec = results[0][(stage, "bf16")]
     fp32 = expected_comm(stage, "adamw", world, rec["layout"])
     want = {k: v / 2 if k == "all_gather" else v for k, v in fp32.items()}
@@ -534,7 +525,7 @@ def test_mixed_precision_communication(ranks, stage):
 def test_dropped_models_are_freed(ranks):
     # The gradient hooks live on the parameters, out of the garbage collector's sight: they must
     # not keep a dropped ZeRO object, and with it the whole model state, alive.
-    world, results = ranks
+    world, results, cuda = ranks
     assert [res["params_alive"] for res in results] == [0] * world
 
 
@@ -1413,18 +1404,17 @@ def hybrid(rank, world):
 @pytest.fixture(scope="module", params=[("cpu", 4), ("cuda-gloo", 4), ("cuda-nccl", 4)], ids=run_id)
 def hybrid_runs(request, ran):
     transport, world = request.param
-    return ran(hybrid, world, transport)
+    return ran(hybrid, world, transport), transport != "cpu"
 
 
 @pytest.mark.parametrize("case", ["adamw", "sgd-accum"])
 @pytest.mark.parametrize("stage", range(1, 4))
 def test_hybrid_sharding_matches_the_reference(hybrid_runs, stage, case):
     # with no_sync() around all micro-batches but the last, and with every backward reducing
-    want = reference(case, 4)
-    for res in hybrid_runs:
+    want, (runs, cuda) = reference(case, 4), hybrid_runs
+    for res in runs:
         for got in [res[(stage, case)]["full"]] + [res[key] for key in [(stage, case, "every-backward")] if key in res]:
-            for name, t in want.items():
-                assert (got[name] - t).abs().max().item() <= 1e-5, name
+            assert_trains_like(got, want, cuda)
 
 
 @pytest.mark.parametrize("case", ["adamw", "sgd-accum"])
@@ -1432,7 +1422,7 @@ def test_hybrid_sharding_matches_the_reference(hybrid_runs, stage, case):
 def test_hybrid_memory_and_communication_by_group(hybrid_runs, stage, case):
     N, G = 4, 2
     R, k = N // G, CASES[case]["accum"]
-    for res in hybrid_runs:
+    for res in hybrid_runs[0]:
         rec = res[(stage, case)]
         lay, S = rec["layout"], sum(rec["layout"]["S"])  # S: a unit's 1/G, padded to a multiple of N
         # memory: what is sharded is 1/G of the model, not 1/N
@@ -1810,3 +1800,86 @@ def test_cuda_every_stage_trains_alike(cuda_reports):
             assert all(len(run) == 3 for run in runs) and runs[0][-1] < runs[0][0], runs
             for run in runs[1:]:
                 assert max(abs(a - b) for a, b in zip(run, runs[0])) <= tol, (bf16, runs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where GPUs are visible: the device each rank computes on, chosen here with torch's GPU count
+# faked (the logic; the CUDA runs above check the rest on a GPU)
+
+@pytest.fixture
+def gpus(monkeypatch, capsys):
+    """gpus(n, local_world, visible=None): choose_device's answers as if n GPUs were visible to
+    a process that is local rank 1 (or local_rank) of local_world (visible: its
+    CUDA_VISIBLE_DEVICES)."""
+    def choose(n, local_world, visible=None, backend=None, device=None, local_rank=1):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        backend, dev = zero.choose_device(backend, device)
+        return backend, str(dev)
+    return choose
+
+
+def test_each_rank_computes_where_it_should(gpus, capsys):
+    assert gpus(4, 4) == ("nccl", "cuda:1")  # a GPU per local rank: NCCL, this rank's own
+    assert gpus(1, 4, visible="3") == ("nccl", "cuda:0")  # the launcher showed each its own one
+    assert gpus(0, 4) == ("gloo", "cpu") and capsys.readouterr().err == ""
+    assert gpus(2, 4, local_rank=0) == ("gloo", "cpu")  # fewer GPUs than ranks: the CPU, said once
+    assert "note: 4 local ranks, 2 GPU(s): gloo on CPU tensors" in capsys.readouterr().err
+    assert gpus(2, 4) == ("gloo", "cpu") and capsys.readouterr().err == ""
+    assert gpus(1, 4, backend="gloo", device="cuda") == ("gloo", "cuda:0")  # sharing one GPU
+    for n, local_world, backend, device, message in [(2, 4, "nccl", None, "NCCL needs one CUDA"),
+                                                     (0, 1, None, "cuda", "no CUDA GPU")]:
+        with pytest.raises(zero.UsageError, match=message):
+            gpus(n, local_world, backend=backend, device=device)
+
+
+def test_setup_uses_the_group_that_is_up(gpus, one_rank, monkeypatch):
+    # a gloo group up already (the test pool's, a user's own): its ranks compute on the CPU,
+    # whatever GPUs are visible, unless asked for CUDA tensors; another backend is refused
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert zero.setup()[2] == torch.device("cpu")
+    with pytest.raises(zero.UsageError, match="--backend nccl, but the process group is gloo"):
+        zero.setup("nccl")
+
+
+def test_wrap_of_a_cpu_model_makes_a_gloo_group_where_gpus_are_visible():
+    # wrap() with no process group on a machine with a GPU: the group is one for the model's
+    # device, gloo for a model on the CPU (NCCL would refuse its CPU tensors)
+    script = "\n".join([
+        "import torch, torch.distributed as dist",
+        "torch.cuda.device_count = lambda: 1",
+        "import zero",
+        "opt = zero.wrap(torch.nn.Linear(4, 4), 1, torch.optim.SGD)",
+        "print(dist.get_backend(), opt.device)"])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE,
+                         timeout=120, env=ENV)
+    assert out.returncode == 0 and out.stdout.split() == ["gloo", "cpu"], out.stderr[-2000:]
+
+
+@scenario(4)
+def hybrid_in_a_new_group(rank, world):
+    # Hybrid sharding's groups are made once per default group: after the default group is
+    # destroyed and a new one made in the same processes (as the CUDA runs do, gloo then NCCL),
+    # new ones are made, on every rank, not the destroyed ones found again.
+    out, rows = [], slice(rank * B, (rank + 1) * B)
+    for attempt in range(2):
+        model, opt = wrapped(rank, 3, "sgd", seed=100, shard_size=2)
+        run_steps(model, opt, opt.clip_grad_norm_, CASES["sgd"], rows, world, STEPS)
+        out.append(opt.full_state_dict())
+        dist.destroy_process_group()
+        store = dist.FileStore(os.path.join(os.environ["ZERO_TEST_TMP"], f"regroup{attempt}"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    return out
+
+
+def test_hybrid_sharding_in_a_new_process_group(ran):
+    want = reference("sgd", 4)
+    for runs in ran(hybrid_in_a_new_group, 4):
+        for got in runs:
+            assert_trains_like(got, want)

@@ -559,18 +559,31 @@ def wrap(model, stage, optimizer, **options):
 
 
 # =================================== PART II: THE ENGINEERING =================================
-# Each section below serves Part I through the calls named there. Python resolves names when a
-# call runs, so a class above may use a function defined here.
+# Each section serves Part I through the calls named there (Python resolves a name when the call
+# runs, so a class above uses a function defined here); then the demo, its loop, its report.
 
 # ----------------------------------------------------------------------------------------------
 # Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
 
-def setup(backend=None, device=None, timeout_s=120):
-    """Join the process group torchrun describes, or make a group of one without torchrun.
-    Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors (see
-    choose_device). Returns (rank, world_size, device)."""
+def setup(backend=None, device=None, timeout_s=600):
+    """Join the process group torchrun describes, or make a group of one without torchrun; one
+    that is up already (a user's own, a test pool's) is used as it is, its backend deciding the
+    device. Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors
+    (choose_device). Returns (rank, world_size, this rank's device)."""
+    if dist.is_initialized():
+        if backend not in (None, dist.get_backend()):
+            raise UsageError(f"--backend {backend}, but the process group is {dist.get_backend()}")
+        backend = dist.get_backend()
+        if backend == "nccl":  # its ranks' GPUs are chosen already (torch.cuda.set_device)
+            return dist.get_rank(), dist.get_world_size(), torch.device(
+                "cuda", torch.cuda.current_device())
     backend, dev = choose_device(backend, device)
     if not dist.is_initialized():
+        # NCCL: a collective that fails or waits past the timeout raises in wait() (a blocking
+        # wait), as gloo's do: one line. Torch's default lets its watchdog abort the process.
+        # The price: the host waits for each collective it waits for, as on gloo.
+        if backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
         if "RANK" in os.environ:  # the store torchrun made (see _attempt_store)
             dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
@@ -582,20 +595,30 @@ def setup(backend=None, device=None, timeout_s=120):
     return dist.get_rank(), dist.get_world_size(), dev
 
 
+def gpu_each(local_world):
+    """Whether each of this machine's local_world ranks has a GPU of its own: as many visible,
+    or this process shown one alone by its launcher (CUDA_VISIBLE_DEVICES=3)."""
+    shown, gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ""), torch.cuda.device_count()
+    return 0 < local_world <= gpus or gpus == 1 and shown != "" and "," not in shown
+
+
 def choose_device(backend, device):
     """setup()'s defaults: NCCL when every local rank has a GPU of its own, else gloo on CPU
-    tensors. gloo also works with CUDA tensors (--backend gloo --device cuda), which lets several
-    ranks share one GPU; NCCL refuses that. Returns (backend, torch.device)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpus = torch.cuda.device_count()
+    tensors (said, where GPUs are visible). gloo also works with CUDA tensors (--backend gloo
+    --device cuda), which lets several ranks share one GPU; NCCL refuses that. Returns (backend,
+    torch.device), after torch.cuda.set_device(it) on a GPU."""
+    local_rank, local_world = (int(os.environ.get(k, d)) for k, d in (("LOCAL_RANK", 0),
+                                                                       ("LOCAL_WORLD_SIZE", 1)))
+    gpus, own = torch.cuda.device_count(), gpu_each(local_world)
     if device is None:
-        device = "cuda" if backend != "gloo" and 0 < local_world <= gpus else "cpu"
-    if backend is None:
-        backend = "nccl" if device == "cuda" and local_world <= gpus else "gloo"
+        device = "cuda" if backend != "gloo" and own else "cpu"
+        if gpus and backend is None and not own and local_rank == 0:
+            say(f"note: {local_world} local ranks, {gpus} GPU(s): gloo on CPU tensors "
+                "(--backend gloo --device cuda shares the GPUs)")
+    backend = backend or ("nccl" if device == "cuda" and own else "gloo")
     if device == "cuda" and gpus == 0:
         raise UsageError("--device cuda, but no CUDA GPU is visible")
-    if backend == "nccl" and (device != "cuda" or local_world > gpus):
+    if backend == "nccl" and (device != "cuda" or not own):
         raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
                          f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
     dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
@@ -605,10 +628,10 @@ def choose_device(backend, device):
 
 
 def _attempt_store(timeout):
-    """The key-value store torchrun describes (what init_process_group's env:// would use), its
-    keys prefixed by the restart attempt. Gotcha: after torchrun --max-restarts restarts a failed
-    group, the store still holds the old ranks' gloo addresses, and a new rank that reads one
-    before its new owner overwrites it waits for ever to connect to a dead process."""
+    """The store torchrun describes (init_process_group's env:// one), its keys prefixed by the
+    restart attempt. Gotcha: after torchrun --max-restarts restarts a failed group, the store
+    still holds the old ranks' gloo addresses, and a new rank that reads one before its new
+    owner overwrites it waits for ever to connect to a dead process."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), timeout=timeout,
@@ -618,8 +641,7 @@ def _attempt_store(timeout):
 
 # ----------------------------------------------------------------------------------------------
 # wrap()'s options, each declared once, here (configure() puts them on the stage object). The
-# optimizer itself, a torch optimizer over the pieces (speed 3), is `.optimizer`: attach LR
-# schedulers to that.
+# torch optimizer over the pieces (speed 3) is `.optimizer`: attach LR schedulers to that.
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -634,7 +656,7 @@ class Options:
     check_steps: bool = True   # one 16-byte all-reduce per step that stops ranks that communicated
                                # different units before anything is applied (check_step_agrees)
     shard_size: int = None     # G, hybrid sharding: stages 1-3 shard over groups of G consecutive
-                               # ranks and replicate over the N/G groups (default: all ranks)
+                               # ranks and replicate over the N/G groups (hybrid.py; default: N)
     buffers: str = "none"      # "none": each rank keeps its own buffers after wrap() (as FSDP), so
                                # those a forward updates (BatchNorm's statistics) drift apart;
                                # "broadcast": rank 0's to every rank before each forward with
@@ -650,11 +672,12 @@ AGREED = ("param_dtype", "reduce_dtype", "overlap", "check_steps", "N", "buffers
 def configure(zero, model, options):
     """DataParallel's set-up that is not the algorithm: wrap()'s options on the object (an
     unknown one is a TypeError, as for any function), the units, where the model lives, Ψ,
-    measurement, the checks that every rank has the same model and options, and hybrid
-    sharding. Returns the units."""
-    if not dist.is_initialized():
-        setup()
+    measurement, the check that every rank has the same model and options, hybrid sharding.
+    Returns the units."""
     o = Options(**options)
+    if not dist.is_initialized():  # a group for this model's device: torchrun's, or of one
+        built = {p.device.type for p in model.parameters()} - {"meta"}
+        setup(device=built.pop() if len(built) == 1 else o.device and torch.device(o.device).type)
     for f in dataclasses.fields(o):
         setattr(zero, f.name, getattr(o, f.name))
     if zero.buffers not in ("broadcast", "none"):
@@ -669,12 +692,10 @@ def configure(zero, model, options):
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
     zero.meter = Meter(zero)
     # Speed 1: how many reductions may be in flight. Stage 0's all-reduces work in place, with no
-    # memory of their own, so as DDP it leaves them all in flight, unless each reduces a copy in
-    # reduce_dtype (mixed precision: all in flight at once would add up to a second, fp32
-    # gradient). From stage 1 on, as FSDP2, one at a time (stage 2 holds a full-unit buffer for
-    # each, gloo's all-to-all a receive buffer): launching the next waits for the last.
-    copies = any(zero.reduce_dtype not in (None, zero.param_dtype or u.flat.dtype)
-                 for u in zero.units)
+    # memory of their own: as DDP, all, unless each reduces a copy in reduce_dtype (all at once
+    # would add up to a second, fp32 gradient). From stage 1 on, as FSDP2, one (stage 2 holds a
+    # full-unit buffer for each, gloo's all-to-all a receive buffer): the next waits for the last.
+    copies = any(zero.reduce_dtype not in (None, zero.param_dtype or u.flat.dtype) for u in zero.units)
     zero.max_in_flight = 1 if zero.stage > 0 or copies else len(zero.units)
     zero.forwards = count_forwards(model)  # (gathered() refuses to run inside one)
     check_ranks_agree(zero)  # every rank has the same model and options
@@ -684,77 +705,68 @@ def configure(zero, model, options):
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
     return zero.units
 
+
 # ----------------------------------------------------------------------------------------------
 # Units: which modules, by default, and the parameters each one holds
 
 def default_units(model):
     """The repeated blocks of the model, at any depth, as FSDP's auto-wrap by block class: the
-    members of every ModuleList or Sequential whose members are two or more modules of one
-    class with trainable parameters (a transformer's layers: GPT-2's transformer.h, Llama's
-    model.layers, a ViT's blocks), outermost first. Parameters that no unit holds (embeddings,
-    a final norm, a head) form the root unit. A model with no such list: each child with
-    trainable parameters (ModuleLists and ModuleDicts opened). Units by hand: wrap(units=...)."""
+    members of every ModuleList or Sequential of two or more modules of one class with
+    trainable parameters (GPT-2's transformer.h, Llama's model.layers, a ViT's blocks),
+    outermost first; what no unit holds (embeddings, a final norm, a head) is the root unit.
+    Without such a list: each child with trainable parameters (ModuleLists, ModuleDicts opened)."""
     units, taken = [], set()
     for name, m in model.named_modules():
-        if any(name.startswith(t + ".") for t in taken) or \
-                not isinstance(m, (nn.ModuleList, nn.Sequential)):
-            continue
-        members = list(m)
-        if len(members) >= 2 and len({type(b) for b in members}) == 1 and \
-                all(any(p.requires_grad for p in b.parameters()) for b in members):
+        members = list(m) if isinstance(m, (nn.ModuleList, nn.Sequential)) else []
+        if not any(name.startswith(t + ".") for t in taken) and len(members) >= 2 and len(
+                {type(b) for b in members}) == 1 and all(any(
+                p.requires_grad for p in b.parameters()) for b in members):
             units += members
             taken.add(name)
     return units or _trainable_children(model)
 
 
 def _trainable_children(module):
-    units = []
-    for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            units += _trainable_children(child)
-        elif any(p.requires_grad for p in child.parameters()):
-            units.append(child)
-    return units
+    return [u for child in module.children() for u in (
+        _trainable_children(child) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else
+        [child] * any(p.requires_grad for p in child.parameters()))]
 
 
 def make_units(zero, model, modules):
     """The units of `model`: each trainable parameter goes to the first of `modules` (default:
     default_units(model)) that holds it, what none holds to the root unit; then buckets, if
     zero.bucket_bytes asks for them."""
-    if any(hasattr(p, "_zero_unit") for p in model.parameters()):
-        raise ValueError("zero: this model is wrapped already (wrap() changes it in place): "
-                         "build a new model to wrap it again")
-    if not (isinstance(zero.N, int) and 0 < zero.N <= zero.world and zero.world % zero.N == 0):
-        raise ValueError(f"zero: shard_size must divide the world size {zero.world}, "
-                         f"not {zero.N!r}")
-    if zero.stage == 0 and zero.N != zero.world:
-        raise ValueError("zero: shard_size is for stages 1-3 (hybrid sharding); stage 0 shards "
-                         "nothing")
     real = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
-    if real and len(real) < len(list(model.parameters())):  # (make_units then materialize)
-        raise ValueError(f"zero: some parameters are on the meta device and {real[0][0]} is on "
-                         f"{real[0][1].device}: build the whole model under torch.device('meta')")
-    modules = default_units(model) if modules is None else list(modules)
+    modules = default_units(model) if modules is None else list(dict.fromkeys(modules))
     inside = {id(m) for m in model.modules() if m is not model}
-    if any(id(m) not in inside for m in modules):
-        raise ValueError("zero: every unit must be a submodule of the model (not the model itself)")
-    modules = list(dict.fromkeys(modules))
+    for bad, message in [
+            (any(hasattr(p, "_zero_unit") for p in model.parameters()), "this model is wrapped "
+             "already (wrap() changes it in place): build a new model to wrap it again"),
+            (not (isinstance(zero.N, int) and 0 < zero.N <= zero.world and zero.world % zero.N == 0),
+             f"shard_size must divide the world size {zero.world}, not {zero.N!r}"),
+            (zero.stage == 0 and zero.N != zero.world,
+             "shard_size is for stages 1-3 (hybrid sharding); stage 0 shards nothing"),
+            (real and len(real) < len(list(model.parameters())),  # (then materialize)
+             real and f"some parameters are on the meta device and {real[0][0]} is on "
+             f"{real[0][1].device}: build the whole model under torch.device('meta')"),
+            (any(id(m) not in inside for m in modules),
+             "every unit must be a submodule of the model (not the model itself)")]:
+        if bad:
+            raise ValueError(f"zero: {message}")
     zero.unit_modules = modules  # a module holding only tied weights of other units stays listed
     zero.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     seen, groups = set(), []
     for module in modules + [None]:
         params = [p for p in (module or model).parameters() if p.requires_grad and p not in seen]
         seen.update(params)
-        if params:
-            groups.append(([module] if module else [], params))
+        groups += [([module] if module else [], params)] * bool(params)
     if not groups:
         raise ValueError("zero: the model has no trainable parameters")
     refuse_sparse(model)  # (checks)
     if zero.bucket_bytes:  # several units in one, or one in several
         groups = buckets(groups, zero.bucket_bytes)
-    for _, params in groups:  # one flat buffer holds one dtype on one device
-        if any((p.dtype, p.device) != (params[0].dtype, params[0].device) for p in params):
-            raise ValueError("zero: the parameters of one unit must share dtype and device")
+    if any((p.dtype, p.device) != (ps[0].dtype, ps[0].device) for _, ps in groups for p in ps):
+        raise ValueError("zero: the parameters of one unit must share dtype and device")
     # Hybrid sharding pads each unit to a multiple of the world size, the number of parts a
     # checkpoint is written in: a shard of S elements is then R = N/G whole parts.
     R = zero.world // zero.N
@@ -774,8 +786,8 @@ def make_units(zero, model, modules):
 
 
 def own_parameters(module, unit_modules):
-    """The parameters a module computes with itself (stage 3 gathers their units around its
-    forward): those of its submodules, except those of a unit module nested inside it."""
+    """The parameters a module computes with itself: those of its submodules, but not those of
+    a unit module nested inside it."""
     nested, out, todo = {id(m) for m in unit_modules if m is not module}, [], [module]
     while todo:
         m = todo.pop()
@@ -787,22 +799,17 @@ def own_parameters(module, unit_modules):
 def output_tensors(x, seen=None):
     """The tensors in a module's output, at any depth: a tensor, or the tuples (named ones too),
     lists, dicts (model-output classes too), dataclasses and other objects that hold tensors in
-    their attributes. Stage 3 hooks them to gather the unit again when backward reaches them.
-    Each container is opened once (an output may refer to itself); modules are not opened."""
+    their attributes; each container opened once (an output may refer to itself), modules not.
+    Stage 3 hooks them to gather the unit again when backward reaches them."""
     seen = set() if seen is None else seen
     if torch.is_tensor(x):
         return [x]
     if id(x) in seen or isinstance(x, (str, bytes, type, nn.Module, types.ModuleType)):
         return []
     seen.add(id(x))
-    if isinstance(x, dict):
-        items = list(x.values())
-    elif isinstance(x, (list, tuple, set, frozenset)):
-        items = list(x)
-    elif dataclasses.is_dataclass(x):  # (fields: also a dataclass with __slots__)
-        items = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
-    else:
-        items = list(vars(x).values()) if hasattr(x, "__dict__") else []
+    items = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(
+        x, (list, tuple, set, frozenset)) else [getattr(x, f.name, None) for f in dataclasses.fields(
+            x)] if dataclasses.is_dataclass(x) else list(getattr(x, "__dict__", {}).values())
     return [t for item in items for t in output_tensors(item, seen)]
 
 
@@ -826,11 +833,9 @@ def replicate_the_rest(zero):
 
 
 def _broadcast_buffers(zero_ref, model, args):
-    # buffers="broadcast": rank 0's buffers to every rank before each forward, as DDP does, so
-    # that what a forward updates (BatchNorm's running mean and variance, its batch count) is
-    # rank 0's on every rank when a forward starts; each rank then updates it from its own
-    # batch. Only in forwards with gradients on, as DDP: an evaluation that rank 0 runs alone
-    # (under torch.no_grad()) must not wait for the other ranks.
+    # buffers="broadcast": rank 0's buffers to every rank before each forward, as DDP does: what
+    # a forward updates (BatchNorm's running statistics) starts from rank 0's on every rank. Only
+    # in forwards with gradients on, as DDP: an evaluation rank 0 runs alone must not wait.
     zero = zero_ref()
     if zero is None or not torch.is_grad_enabled():
         return
@@ -842,25 +847,18 @@ def _broadcast_buffers(zero_ref, model, args):
         w.wait()
 
 
-# ----------------------------------------------------------------------------------------------
-# Where the model lives. A model built on the meta device (meta_init.py) has none yet.
-
 def build_device(zero, device):
-    """Where the model lives: its own device, or for a model built on the meta device `device`,
-    by default this rank's GPU under NCCL, else the CPU."""
+    """Where the model lives: its own device, or for a model built on the meta device (which has
+    none yet) `device`, by default this rank's GPU under NCCL, else the CPU."""
     if not zero.units[0].flat.is_meta:
         here = zero.units[0].flat.device
         if device is not None and torch.device(device) != here:
             raise ValueError(f"zero: device={device} is for a model built on the meta device; "
                              f"this one is on {here}")
         return here
-    if device is None:
-        return (torch.device("cuda", torch.cuda.current_device())
-                if dist.get_backend() == "nccl" else torch.device("cpu"))
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and \
+        device.index is None else device
 
 
 def materialize(zero):
@@ -880,28 +878,25 @@ def materialize(zero):
 # ----------------------------------------------------------------------------------------------
 # Speed 1, overlap: communicate while autograd computes (overlap=False, --no-overlap: wait for
 # each collective where it is issued, no prefetch). With async_op=True a collective runs on the
-# backend's own thread while backward goes on computing the next unit's gradients; Part I keeps
-# the reductions in flight (DataParallel._land_reductions), Prefetch the all-gathers of stage 3.
+# backend's own thread while backward computes the next unit's gradients: Part I keeps the
+# reductions in flight (_land_reductions), Prefetch the all-gathers of stage 3.
 
 class Prefetch:
     """Stage 3's overlap: while a module computes, gather the units of the module that computes
-    next (the next one in forward, the one before in backward). The order is the one the first
-    forward gathered in; it serves every later step. Costs one more unit of memory."""
+    next (the next one in forward, the one before in backward), in the order the first forward
+    gathered in. Costs one more unit of memory."""
 
     def __init__(self, zero):
         self.zero, self.order, self.calls, self.open = zero, None, [], []
         zero.model.register_forward_pre_hook(self._start_forward)
 
     def _start_forward(self, model, args):
-        if self.order is None and self.calls:
-            self.order = self.calls  # the first forward's order
-        self.calls = []
+        self.order, self.calls = self.order or self.calls or None, []  # the first forward's
 
     def forward_started(self, units):
-        call = len(self.calls)  # this module's place in the order of gathers
+        self.open.append(len(self.calls))  # this module's place in the order of gathers
         self.calls.append(units)
-        self.open.append(call)
-        self._gather(call + 1)
+        self._gather(self.open[-1] + 1)
 
     def forward_done(self):
         return self.open.pop()
@@ -916,74 +911,57 @@ class Prefetch:
 
 
 # Stage 3 on CUDA streams: why ZeRO3._free and _gather are safe with no record_stream. An
-# all-gather runs after every kernel queued before it (NCCL's async one on a stream of its own,
-# which first waits for an event recorded on the compute stream; a blocking one on the compute
-# stream itself; gloo's through host memory, after such an event too), and its wait() makes the
-# compute stream wait for it: nothing computes with a unit before it has landed. Freeing needs
-# that wait as well: resize_(0) hands the memory back to the caching allocator at once, even
-# while the collective's Work still holds the tensor (which keeps the tensor, not a resized
-# storage's memory). After the wait, the block goes only to later allocations on the compute
-# stream, where _gather made it, and what is queued there runs after the kernels that read the
-# old values (the forward, queued before the free) and after the collective: stream order makes
-# it safe.
+# all-gather runs after every kernel queued before it (NCCL's on a stream of its own that first
+# waits for the compute stream; gloo's through host memory, after the same wait), and its wait()
+# makes the compute stream wait for it: nothing computes with a unit before it has landed. And
+# _free waits for it too: resize_(0) hands the memory to the caching allocator at once, which
+# gives it only to later allocations on the compute stream, queued after the kernels that read
+# the old values and after the collective.
 
 
 def buckets(groups, bucket_bytes):
     # Speed 2, buckets (bucket_bytes, --bucket-mb): a collective has a fixed cost (latency, a
     # launch, a sync with the slowest rank) on top of its bytes, so many small units are slow to
     # reduce one by one, and one huge unit is reduced only once backward is done with all of it.
-    # With bucket_bytes, stages 0-2 cut the parameters into buckets of their own, as DDP's 25 MB
-    # buckets: walking them in reverse (the order backward produces gradients in, roughly), a
-    # bucket is closed as soon as it holds bucket_bytes. Small units are merged, large ones split
-    # at parameter boundaries, and what is left over is the bucket of the model's first
-    # parameters, the last one backward completes: the reduction nothing overlaps is the
-    # smallest. A bucket also ends where the dtype or device changes (one flat buffer holds
-    # one). The price: a bucket is reduced only when its last gradient has arrived, and stage 2
-    # holds a whole bucket's full gradient while it is reduced.
-    params = [p for _, ps in groups for p in ps]
-    out, open_, held = [], [], 0
-    for p in reversed(params):
-        if open_ and (p.dtype, p.device) != (open_[-1].dtype, open_[-1].device):
-            out.append(open_[::-1])
-            open_, held = [], 0
-        open_.append(p)
+    # So stages 0-2 may cut the parameters into buckets, as DDP's 25 MB ones: walking them in
+    # reverse (the order backward produces gradients in, roughly), a bucket closes once it holds
+    # bucket_bytes, or where the dtype or device changes; what is left is the first parameters'
+    # bucket, the last backward completes: the reduction nothing overlaps is the smallest. The
+    # price: a bucket is reduced when its last gradient arrives, and stage 2 holds its whole
+    # full gradient while it is reduced.
+    out, held = [[]], 0
+    for p in reversed([p for _, ps in groups for p in ps]):
+        if out[-1] and (p.dtype, p.device) != (out[-1][-1].dtype, out[-1][-1].device):
+            out, held = out + [[]], 0
+        out[-1].append(p)
         held += p.numel() * p.element_size()
         if held >= bucket_bytes:
-            out.append(open_[::-1])
-            open_, held = [], 0
-    if open_:
-        out.append(open_[::-1])
-    return [([], b) for b in reversed(out)]  # in model order, as units are
+            out, held = out + [[]], 0
+    return [([], b[::-1]) for b in reversed(out) if b]  # in model order, as units are
 
 
 # Speed 3, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
 # torch's for-loop Adam passes over each tensor about ten times (weights, gradient, m, v, two
-# temporaries): with 128K-element (512 kB in fp32) pieces, a piece's weights, gradient, m and
-# v take 2 MB, one core's L2 cache here, and most passes read the caches, not memory. Measured
-# here: with 1M-element (4 MB) pieces stage 0's optimizer step took 1.1-1.8x as long as with
-# these, two ranks sharing the memory bus. The price: more tensors, each with Adam's fixed
-# per-tensor work (about 25 µs here, a tenth of a piece's step) and its 4-byte step counter.
-# On a GPU the optimizer's kernels stream, and few large pieces (4M elements) mean fewer
-# launches. (optimizer_pieces: the pieces also bound the optimizer's temporaries.)
+# temporaries): a 128K-element (512 kB in fp32) piece's weights, gradient, m and v take 2 MB,
+# one core's L2 cache, so most passes read the cache, not memory (1M-element pieces made stage
+# 0's step 1.1-1.8x as long, two ranks sharing the memory bus). The price: more tensors, each
+# with Adam's fixed per-tensor work and its 4-byte step counter. On a GPU the kernels stream,
+# and few large pieces mean fewer launches.
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
 def optimizer_pieces(zero):
     """The tensors the optimizer steps: each unit's master (the elements this rank steps) cut
-    into pieces of at most PIECE elements (views, no copy). Exact all the same (element-wise
-    optimizers). The cuts bound the temporaries torch's optimizers allocate per tensor (Adam's
-    sqrt(v) + eps, ...) to one piece: one [S] temporary of a 50M-parameter shard would be 200 MB
-    of transient memory. That holds for their for-loop implementation, the default on CPU; on
-    CUDA the default is foreach, which makes each temporary for all the tensors at once: one
-    fp32 [S] while the step runs, whatever the pieces. unit.owners: the parameters each piece holds
-    elements of (the unit's padding rides with its last one); step() hands a piece no gradient
-    when none of them got one. A unit where some parameter of a piece got one and another did
-    not is cut again where parameters start (split_pieces), once and for good: each parameter then
-    has pieces of its own, as torch steps each parameter or skips it. Not before: a piece per
-    parameter is a tensor per parameter for the optimizer (Adam's per-tensor work, and its 4-byte
-    step counter), for a model that may never leave one without a gradient."""
-    device = zero.units[0].flat.device
-    zero.piece = PIECE.get(device.type, PIECE["cuda"])
+    into pieces of at most PIECE elements (views, no copy), exact all the same (element-wise
+    optimizers). The cuts also bound the temporaries torch's for-loop optimizers (the default on
+    CPU) allocate per tensor (Adam's sqrt(v) + eps...): one [S] temporary of a 50M-parameter
+    shard would be 200 MB (CUDA's default, foreach, makes one fp32 [S] whatever the pieces).
+    unit.owners: the parameters each piece holds elements of (the padding rides with the last);
+    step() hands a piece no gradient when none of them got one. A unit where a piece holds one
+    parameter that got one and one that did not is cut again where parameters start
+    (split_pieces), once and for good, as torch steps each parameter or skips it: not before,
+    as a piece per parameter costs the optimizer's per-tensor work for every parameter."""
+    zero.piece = PIECE.get(zero.units[0].flat.device.type, PIECE["cuda"])
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
     return [piece for u in zero.units for piece in u.pieces]
@@ -993,16 +971,11 @@ def cut_pieces(zero, u, per_parameter):
     """(pieces, owners) of unit u: cut every PIECE elements from the start of what this rank
     steps, and (per_parameter) where each parameter starts: each piece then lies in one."""
     lo, hi = u.stepped.start, u.stepped.stop
-    cuts = set(range(lo, hi, zero.piece)) | {hi}
-    if per_parameter:
-        cuts |= {u.offset[p] for p in u.params if lo < u.offset[p] < hi}
-    cuts = sorted(cuts)
-    pieces, owners = [], []
-    for a, b in zip(cuts, cuts[1:]):
-        pieces.append(u.master[a - lo:b - lo])
-        owners.append(tuple(p for p in u.params if u.offset[p] < b and
-                            u.offset[p] + p.numel() > a) or (u.params[-1],))  # (padding)
-    return pieces, owners
+    cuts = sorted(set(range(lo, hi, zero.piece)) | {hi} | (
+        {u.offset[p] for p in u.params if lo < u.offset[p] < hi} if per_parameter else set()))
+    owners = [tuple(p for p in u.params if u.offset[p] < b and u.offset[p] + p.numel() > a)
+              or (u.params[-1],) for a, b in zip(cuts, cuts[1:])]  # (the padding: the last's)
+    return [u.master[a - lo:b - lo] for a, b in zip(cuts, cuts[1:])], owners
 
 
 def split_pieces(zero, units):
@@ -1031,23 +1004,19 @@ def split_pieces(zero, units):
 
 # Speed 4, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
 # all_gather_into_tensor are slow on CPU, slower than its own all-reduce, which does both halves
-# (fsdp_demo.py --bench times all three, and the README's benchmark shows them). So on gloo with
-# CPU tensors zero.py does the same another way, sending the same (N-1)/N per rank:
+# (fsdp_demo.py --bench times all three). So on gloo with CPU tensors zero.py does the same
+# another way, sending the same (N-1)/N per rank:
 #   reduce-scatter = one all_to_all (slice j of every rank goes to rank j) + a local sum of the N
-#                    slices received; above A2A_BYTES, N reduces in place (rank j the root of
-#                    slice j), which need no receive buffer and are faster there,
+#                    slices received; above A2A_BYTES (a reduce has a fixed cost even when tiny),
+#                    N reduces in place (rank j the root of slice j): no receive buffer,
 #   all-gather     = N broadcasts, in place (rank j sends its shard to everyone).
-# A reduce has a fixed cost even when tiny, hence the all-to-all below A2A_BYTES. Trade-off: the
-# all-to-all's receive buffer (up to A2A_BYTES, counted as gradient memory while in flight).
+# Trade-off: the all-to-all's receive buffer (counted as gradient memory while in flight).
 # DIRECT = False, another backend, or CUDA tensors use the native calls.
 DIRECT = True
 A2A_BYTES = 16 << 20
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
-
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
-# old names. The old names are the ones every torch >= 2.6 has (and every tutorial uses), so we
-# keep them and silence just that warning. (pytest resets the filters for every test: the
-# tests' conftest.py sets the same.)
+# old names, which every torch >= 2.6 has (and every tutorial uses): that warning is silenced.
 RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
 
@@ -1085,8 +1054,8 @@ class GlooCPU:
         if x.numel() * x.element_size() <= A2A_BYTES:
             received = torch.empty_like(x)  # row j: rank j's slice for this rank
             work = dist.all_to_all_single(received, x, async_op=True, group=group)
-            finish = lambda: torch.sum(received.view(world, S), 0, out=out)  # noqa: E731
-            pending = _Pending([work], finish, [received])
+            pending = _Pending([work], lambda: torch.sum(received.view(world, S), 0, out=out),
+                               [received])
         else:
             works = [dist.reduce(x[j * S:(j + 1) * S], dst=ranks[j], async_op=True, group=group)
                      for j in range(world)]
@@ -1101,9 +1070,8 @@ class GlooCPU:
         S, rank = shard.numel(), ranks.index(dist.get_rank())
         if shard.data_ptr() != out[rank * S:].data_ptr():
             out[rank * S:(rank + 1) * S].copy_(shard)
-        works = [dist.broadcast(out[j * S:(j + 1) * S], src=ranks[j], async_op=True, group=group)
-                 for j in range(len(ranks))]
-        pending = _Pending(works)
+        pending = _Pending([dist.broadcast(out[j * S:(j + 1) * S], src=ranks[j], async_op=True,
+                                           group=group) for j in range(len(ranks))])
         return pending if async_op else pending.wait()
 
 
@@ -1129,20 +1097,16 @@ def cast_frozen_and_inputs(model, unit_modules, dtype):
         if not p.requires_grad:
             p.data = p.data.to(dtype)  # frozen weights compute in param_dtype too
     for m in [model] + unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
-        m.register_forward_pre_hook(functools.partial(_cast_inputs, dtype))
-
-
-def _cast_inputs(dtype, module, args):
-    return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        m.register_forward_pre_hook(lambda module, args: tuple(
+            a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
 
 
 def after_step(zero):
     """After optimizer.step(): in mixed precision, round the updated fp32 masters into the
-    param_dtype shards the model computes with; and let go of the pieces' .grad (each one a
-    view of the gradient shard, or of its fp32 copy in mixed precision, unit.step_grad, made for
-    the step only). What the rank holds is measured (Meter) before that copy goes, since the
-    optimizer held it: in mixed precision the step adds 4 bytes per element stepped (4Ψ/N; at
-    stage 0, 4Ψ), a transient the paper's formula does not count; then once more after."""
+    param_dtype shards the model computes with; let go of the pieces' .grad (views of the
+    gradient shard, or of its fp32 copy, unit.step_grad, made for the step only). Measured
+    before that copy goes (4 bytes per element stepped, a transient the paper's formula does
+    not count), and once more after."""
     zero.meter.event("optimizer step")
     for u in zero.units:
         if zero.mixed_precision:
@@ -1175,31 +1139,29 @@ class Meter:
 
     def __init__(self, zero):
         self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
-        self.timeline = None  # a list while one step is recorded (--timeline, below)
+        self.timeline = None  # while one step is recorded: memory.Timeline (--timeline)
         zero.comm, zero.peak, zero.build_peak = Counter(), Counter(), Counter()
 
     def sent(self, kind, full, unit=None, ranks=None):
         """Count what a ring algorithm makes this rank send for a collective over `full` (M
-        bytes): all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each. What
-        replaces them on gloo (all_to_all or N reduces, N broadcasts) sends the same. The
-        fingerprint of what was sent on which unit: see check_step_agrees."""
-        z = self.zero
-        code = KINDS.index(kind)  # not hash(kind): str hashes differ from process to process
+        bytes): all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each (gloo's
+        ways of GlooCPU send the same); and fold it into the fingerprint of what was sent on
+        which unit, which check_step_agrees compares."""
+        z, code = self.zero, KINDS.index(kind)  # (not hash(kind): it differs between processes)
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
-        n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # in the ring
+        n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # the ring
         times = 2 if kind.startswith("all_reduce") else 1  # (a broadcast: (N-1)/N M, pipelined)
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
     def breakdown(self):
-        """Bytes of model state this rank holds right now, summed over the storages really
-        allocated (a view counts once, a freed buffer counts 0). Frozen parameters and buffers
-        are not model state that ZeRO shards and are not counted."""
+        """Bytes of model state this rank holds now, over the storages really allocated (frozen
+        parameters and buffers are not model state that ZeRO shards, and are not counted)."""
         held = [self.unit_bytes(u) for u in self.zero.units]
         return {"params": sum(h["params"] for h in held), "grads": sum(h["grads"] for h in held),
                 "optimizer": self.optimizer_bytes()}
 
     def unit_bytes(self, unit):
-        # No two units share a storage, so what a rank holds is the sum of what each unit holds:
+        # No two units share a storage: what a rank holds is the sum of what each unit holds,
         # its parameters and gradients, with what its reduction in flight holds.
         flying = [t for w, u, mine in self.zero.in_flight if u is unit
                   for t in (mine, *getattr(w, "buffers", ()))]
@@ -1214,10 +1176,9 @@ class Meter:
         return _nbytes(state + ([u.master for u in z.units] if z.mixed_precision else []))
 
     def event(self, what, unit=None):
-        # Peak tracking. At the start and after the step (unit None) everything is measured.
-        # During forward and backward one unit's memory changes at a time: only that unit is
-        # measured again and the running total corrected, so an event costs the same with 5
-        # units or 500. The optimizer state changes in step() alone.
+        # Peak tracking. At the start and after the step (unit None) everything is measured;
+        # during forward and backward one unit's memory changes at a time: only it is measured
+        # again and the running total corrected, an event costing the same with 5 units or 500.
         for u in self.zero.units if unit is None else [unit]:
             old, self.held[u] = self.held.get(u, Counter()), self.unit_bytes(u)
             self.now.update(self.held[u])
@@ -1241,8 +1202,8 @@ STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharde
 
 def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8, shard_size=None):
     """Model-state bytes per rank: stage >= 1 shards the optimizer state, >= 2 the gradients,
-    3 the parameters, over N ranks (over G with hybrid sharding). Defaults: fp32 AdamW (m and v:
-    K = 8). The paper: 2, 2, 12."""
+    3 the parameters, over N ranks (G with hybrid sharding). Defaults: fp32 AdamW (K = 8, m and
+    v); the paper's: 2, 2, 12."""
     n = shard_size or world
     return {"params": param_bytes * psi / (n if stage >= 3 else 1),
             "grads": grad_bytes * psi / (n if stage >= 2 else 1),
@@ -1253,21 +1214,18 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
                  shard_size=None):
     """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k
     micro-batches stages 0 and 1 reduce once (all but the last in no_sync()), stages 2 and 3
-    reduce-scatter in every backward, and stage 3 gathers in every forward and backward. With
-    hybrid sharding (G < N) the reduce-scatters and all-gathers run among G ranks, and each
-    reduction adds an all-reduce of its 1/G across the R = N/G groups: the only bytes that
-    cross groups."""
-    G, k = shard_size or world, micro_batches
+    reduce-scatter in every backward, stage 3 gathers in every forward and backward. With hybrid
+    sharding (G < N) those run among G ranks, and each reduction adds an all-reduce of its 1/G
+    across the R = N/G groups: the only bytes that cross groups."""
+    G, k, R = shard_size or world, micro_batches, world // (shard_size or world)
     ring = (G - 1) / G * psi if stage else (world - 1) / world * psi
     g, r = ring * gather_bytes, ring * reduce_bytes
-    out = [{"all_reduce": 2 * r},
-           {"reduce_scatter": r, "all_gather": g},
+    out = [{"all_reduce": 2 * r}, {"reduce_scatter": r, "all_gather": g},
            {"reduce_scatter": k * r, "all_gather": g},
            {"reduce_scatter": k * r, "all_gather": 2 * k * g}][stage]
-    R = world // G
     if stage and R > 1:
-        reductions = 1 if stage == 1 else k
-        out["all_reduce across groups"] = reductions * 2 * (R - 1) / R * psi / G * reduce_bytes
+        out["all_reduce across groups"] = (1 if stage == 1 else k) * 2 * (R - 1) / R * psi / G \
+            * reduce_bytes
     return out
 
 
@@ -1279,25 +1237,24 @@ def estimate(psi, world, shard_size=None, stages=range(4)):
     print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
           f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks"
           + (f" in groups of G = {G} (hybrid: stages 1-3 shard over G)" if G < world else "")
-          + ",\nmixed-precision Adam: 2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n")
-    print(f"{'stage':<27} {'params':>9} {'grads':>9} {'optimizer':>9} {'total':>9}  "
+          + ",\nmixed-precision Adam: 2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n\n"
+          f"{'stage':<27} {'params':>9} {'grads':>9} {'optimizer':>9} {'total':>9}  "
           f"{'sent, in group':>14} {'across groups':>14}")
     for stage in stages:
         m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12, G).items()}
         sent = comm_formula(stage, psi, world, 1, 1, shard_size=G)
         across = sent.pop("all_reduce across groups", 0)
-        inside = sum(sent.values()) if stage or G == world else 0
-        across += 0 if stage or G == world else sum(sent.values())  # stage 0: all-reduce over N
+        inside = sum(sent.values()) if stage or G == world else 0  # stage 0: all-reduce over N
+        across += 0 if stage or G == world else sum(sent.values())
         gb = [_fit(m[k], 2) for k in ("params", "grads", "optimizer")] + [_fit(sum(m.values()), 1)]
         print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} "
               + " ".join(f"{x:>6} GB" for x in gb) + f"  {inside:>14.4g} {across:>14.4g}")
     ring = "2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3" if len(stages) == 4 else \
         ", ".join(f"{3 if s == 3 else 2}Ψ(N-1)/N for stage {s}" for s in stages)
-    print(f"\nsent: elements per rank per step (ring algorithms): {ring}"
-          + (";\nwith G < N the reduce-scatters and all-gathers run "
-             "inside a group of G, and each shard's all-reduce\n"
-             "crosses the groups (stage 0's all-reduce runs over all "
-             "N)" if G < world else ""))
+    print(f"\nsent: elements per rank per step (ring algorithms): {ring}" + (
+        ";\nwith G < N the reduce-scatters and all-gathers run inside a group of G, and each "
+        "shard's all-reduce\ncrosses the groups (stage 0's all-reduce runs over all N)"
+        if G < world else ""))
 
 
 def _fit(x, decimals, width=6):
@@ -1305,17 +1262,15 @@ def _fit(x, decimals, width=6):
     `width` (Ψ = 1e30): the table's columns hold."""
     text = f"{x:.{decimals}f}"
     for digits in (3, 2, 1):
-        if len(text) <= width:
-            break
-        text = f"{x:.{digits}g}"
+        text = text if len(text) <= width else f"{x:.{digits}g}"
     return text if len(text) <= width else f"{x:.0e}"
 
 
 def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.4g}{unit}"
-    return f"{n:.0f}"
+    unit, scale = next(((u, s) for u, s in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s),
+                       ("", 1))
+    return f"{n / scale:.4g}{unit}" if unit else f"{n:.0f}"
+
 
 # ----------------------------------------------------------------------------------------------
 # Checks: bad input is a clear error, ranks that disagree fail fast instead of hanging
@@ -1340,7 +1295,7 @@ class ShardedParameter(nn.Parameter):
                 raise RuntimeError(
                     f"zero: {a._zero_name} is sharded at stage 3 and not gathered now (only inside "
                     "forward and backward): read the model with opt.full_state_dict() on every "
-                    "rank, save it with zero.save_checkpoint()")
+                    "rank, save it with checkpoints.save_checkpoint()")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
@@ -1372,9 +1327,9 @@ def _digest(x):
 
 
 def check_ranks_agree(zero):
-    # Fail fast. Ranks that built another model, chose another stage or another option that
-    # changes what is communicated would hang in a collective whose sizes differ, or exchange
-    # garbage. So the first collective is a small one every rank can make: each of them.
+    # Fail fast: ranks that built another model, or chose another stage or option that changes
+    # what is communicated, would hang in a collective whose sizes differ, or exchange garbage.
+    # So the first collective is a small one every rank can make: every rank's of each.
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = {"shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
@@ -1383,33 +1338,28 @@ def check_ranks_agree(zero):
     for r, row in enumerate(rows):
         for name, a, b in zip(fields, rows[0], row):
             if a != b:
-                shown = (a, b) if name in ("stage", "Ψ") else (f"{a & (2**64 - 1):016x}",
-                                                              f"{b & (2**64 - 1):016x}")
-                if name in settings:
-                    shown = (f"{shown[0]} (hash)", f"{shown[1]} (hash)")
-                raise ValueError(f"zero: ranks disagree: rank 0 has {name} {shown[0]}; "
-                                 f"rank {r} has {name} {shown[1]}" +
+                shown = [str(x) if name in ("stage", "Ψ") else f"{x & (2**64 - 1):016x}" +
+                         " (hash)" * (name in settings) for x in (a, b)]
+                raise ValueError(f"zero: ranks disagree: rank 0 has {name} {shown[0]}; rank {r} "
+                                 f"has {name} {shown[1]}" +
                                  (f" (here: {settings[name]!r})" if name in settings else ""))
 
 
 def check_step_agrees(zero):
     """The parameters that got a gradient on some rank since zero_grad(), a set: step() steps
-    those only (and their .grad and pieces are settled: settle_unused). Checks first that every
-    rank communicated the same units (check_steps), and that no unit of stage 3 is still in use
-    by a forward that did not finish (its gathered values would go stale)."""
+    those only (settle_unused settles their .grad and pieces). Checks first that no unit of
+    stage 3 is still in use by a forward that did not finish (its gathered values would go
+    stale), and that every rank communicated the same units (check_steps)."""
     # Ranks that computed with different units of the same size (a forward that branches on
     # the rank, or on data) pair the wrong buffers in their collectives, and nothing fails. So
     # every rank keeps a fingerprint of the collectives it made on which units (Meter.sent),
     # and before the optimizer applies anything one all-reduce of 16 bytes compares them, as
-    # DDP's find_unused_parameters pays an all-reduce per step. check_steps=False turns it off.
-    #
-    # torch skips a parameter whose .grad is None; whether one got a gradient is known on each
-    # rank (unit.received), whether any rank got one takes a collective. The check's 16 bytes carry
-    # it as one bit: the fingerprint, made even, plus 1 where this rank has a parameter with no
-    # gradient. max(trace + bit) + max(-trace) is then 0 or 1 if the traces agree, 2 or more if
-    # not. Only if some rank set the bit (a model that leaves parameters unused) does a second
-    # all-reduce, of a byte per parameter (MAX: "on any rank"), say which. Over every rank,
-    # hybrid sharding too. check_steps=False pays that one every step, and the check nothing.
+    # DDP's find_unused_parameters pays an all-reduce per step. The same bytes carry whether a
+    # parameter got no gradient (known on each rank, unit.received; on any, only together): the
+    # fingerprint, made even, plus 1 where this rank has one. max(trace + bit) + max(-trace) is
+    # 0 or 1 if the traces agree, 2 or more if not. Only if some rank set the bit does a second
+    # all-reduce, of a byte per parameter (MAX: "on any rank"), say which. check_steps=False
+    # pays that one every step, and the check nothing.
     refuse_unfrozen(zero)
     for u in zero.units:
         if getattr(u, "users", 0):
@@ -1437,22 +1387,25 @@ def check_step_agrees(zero):
 
 
 def check_gradient(zero, p):
-    """Every gradient as it arrives (_on_grad): refused if it comes after step() or
-    clip_grad_norm_() without zero_grad() (adding local gradients to averaged ones would
-    silently be wrong), or if it is sparse."""
+    """Every gradient as it arrives (_on_grad): refused after step() or clip_grad_norm_()
+    without zero_grad() (adding local gradients to averaged ones would silently be wrong), or
+    if it is sparse."""
     if zero._reduced:
         raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
                            "call zero_grad() first")
     if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
-        raise sparse_gradient_error(zero, p)
+        name = {q: n for n, q in zero.model.named_parameters()}[p]
+        raise RuntimeError(f"zero: {name} got a sparse gradient ({p.grad.layout}): zero.py "
+                           "reduces dense gradients in flat buffers; compute it densely "
+                           "(nn.Embedding and nn.EmbeddingBag: sparse=False)")
 
 
 def recomputing(zero=None, units=()):
     """Whether a module's forward runs inside a backward: torch.utils.checkpoint running it
     again to recompute what it did not save (activation checkpointing). Its forward hook may
-    never run (non-reentrant checkpointing stops the forward once it has what it needs), so at
-    stage 3 users are not counted: the units are gathered (zero._gather) and stay so until their
-    gradient is reduced, as after _pre_backward."""
+    never run (non-reentrant checkpointing stops once it has what it needs), so at stage 3 no
+    users are counted: the units are gathered here and stay so until their gradient is reduced,
+    as after _pre_backward."""
     if torch._C._current_graph_task_id() == -1:
         return False
     if zero is not None:
@@ -1464,13 +1417,11 @@ def recomputing(zero=None, units=()):
 
 def count_unused(zero, unit):
     """Stages 0 and 1, before a unit is reduced: a parameter with no gradient since zero_grad()
-    (unused here) still has last step's values in its slice of the buffer: zero them, so that
-    the reduction counts this rank's as zero. Its .grad stays None, as torch leaves it; the
-    slice, once reduced, holds the mean over the ranks, which a later backward adds to
-    (unit.hidden: DataParallel._on_grad) and step() or clip_grad_norm_() shows as p.grad if
-    some rank used p (settle_unused), as DDP does. Between backward and step() it is not shown:
-    whether another rank used p is known only then (check_step_agrees). A .grad of zeros that
-    zero_grad(set_to_none=False) kept is a gradient, stepped as torch steps it (unit.received)."""
+    (unused here) still has last step's values in its slice of the buffer: zeroed, the
+    reduction counts them as zero. Its .grad stays None, as torch leaves it; the slice, once
+    reduced, holds the other ranks' mean, which a later backward adds to (unit.hidden) and which
+    step() shows as p.grad if some rank used p (settle_unused), as DDP does. A .grad of zeros
+    that zero_grad(set_to_none=False) kept is a gradient, stepped as torch steps it."""
     if zero.keeps_full_grads:
         for p in unit.params:
             if p.grad is None and p not in unit.hidden:
@@ -1480,11 +1431,10 @@ def count_unused(zero, unit):
 
 
 def settle_unused(zero, with_grad):
-    """Once the per-step check knows which parameters no rank gave a gradient (with_grad):
-    p.grad of each parameter this rank did not use is the mean it holds in the buffer if some
-    rank used it, None (as torch) if none did (stages 0, 1); and a unit with a piece that holds
-    parameters of both kinds gets pieces per parameter (split_pieces), so that step() skips
-    exactly those."""
+    """Once every rank knows which parameters some rank gave a gradient (with_grad): p.grad of
+    each one this rank did not use is the mean its slice holds, or None (as torch) if no rank
+    used it; and a unit with a piece that holds parameters of both kinds gets pieces per
+    parameter (split_pieces), so that step() skips exactly those."""
     for u in zero.units:
         for p in u.hidden & with_grad:
             p.grad = u.view(u.grad, p)
@@ -1496,12 +1446,11 @@ def settle_unused(zero, with_grad):
 
 
 def guard_conversions(model):
-    """model.to(dtype or device), .float(), .half(), .cuda()... after wrap(): torch would set each
-    parameter's .data to a converted copy, so that the model computes with tensors that are no
-    longer views of the units zero.py reduces, steps and (stage 3) gathers, and trains silently
-    wrong, or at stage 3 reads freed memory. Refused, saying what to do instead; a conversion
-    that leaves the units' parameters as they are (to their own dtype and device) still converts
-    the rest (buffers, frozen parameters)."""
+    """model.to(dtype or device), .float(), .half(), .cuda()... after wrap() would give each
+    parameter a converted copy, no longer a view of the units zero.py reduces, steps and gathers:
+    it would train silently wrong (or, at stage 3, read freed memory). Refused, saying what to do
+    instead; a conversion that leaves the units' parameters as they are still converts the rest
+    (buffers, frozen parameters)."""
     names = {p: n for n, p in model.named_parameters()}
     for module in model.modules():
         module._apply = functools.partial(_convert, module, module._apply, names)
@@ -1509,24 +1458,15 @@ def guard_conversions(model):
 
 def _convert(module, apply, names, fn, recurse=True):
     for p in module.parameters(recurse=recurse):  # what this conversion would reach
-        name = names[p]
-        if hasattr(p, "_zero_unit"):
-            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
-            if (probe.dtype, probe.device) != (p.dtype, p.device):
-                raise RuntimeError(
-                    f"zero: converting the wrapped model would make {name} {probe.dtype} on "
-                    f"{probe.device}, outside the flat buffers zero.py trains: build the model "
-                    "in that dtype and on that device before wrap() (mixed precision: "
-                    "wrap(param_dtype=...))")
+        probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
+        if hasattr(p, "_zero_unit") and (probe.dtype, probe.device) != (p.dtype, p.device):
+            raise RuntimeError(
+                f"zero: converting the wrapped model would make {names[p]} {probe.dtype} on "
+                f"{probe.device}, outside the flat buffers zero.py trains: build the model in "
+                "that dtype and on that device before wrap() (mixed precision: "
+                "wrap(param_dtype=...))")
     with torch._C.DisableTorchFunctionSubclass():  # (stage 3: p itself, not its values)
         return apply(lambda t: t if hasattr(t, "_zero_unit") else fn(t), recurse)
-
-
-def sparse_gradient_error(zero, p):
-    name = {q: n for n, q in zero.model.named_parameters()}[p]
-    return RuntimeError(f"zero: {name} got a sparse gradient ({p.grad.layout}): zero.py reduces "
-                        "dense gradients in flat buffers; compute it densely (nn.Embedding and "
-                        "nn.EmbeddingBag: sparse=False)")
 
 
 def refuse_sparse(model):
@@ -1543,8 +1483,7 @@ def refuse_sparse(model):
 def refuse_unfrozen(zero):
     # A parameter frozen at wrap() belongs to no unit: nothing reduces or steps its gradient.
     # Unfrozen later, it would train on no rank while its gradients piled up: refused. (Frozen
-    # after wrap() is torch's case: it gets no gradient, and step() leaves it alone.) Only the
-    # parameters frozen at wrap() are looked at (make_units listed them): this runs every step.
+    # after wrap() is torch's case: no gradient, and step() leaves it alone.)
     for name, p in zero.frozen:
         if p.requires_grad:
             raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
@@ -1944,7 +1883,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     peak, built = getattr(opt, "peak", {}), getattr(opt, "build_peak", {})
     mine = {**{("mem", k): v for k, v in mem.items()}, **{("peak", k): peak.get(k, -1) for k in mem},
             **{("build_peak", k): built.get(k, -1) for k in mem}, "cuda_peak": cuda_peak,
-            "runtime": runtime, "used": cuda_peak if device.type == "cuda" else progress.used(),
+            "runtime": runtime, "used": progress.used() if device.type == "cpu" else  # (what
+            torch.cuda.max_memory_reserved(device),  # set_per_process_memory_fraction limits)
             "per_block": progress.per_block()}
     ranks = [dict(zip(mine, row)) for row in _all_ranks(list(mine.values()), device)]
     most = {key: max(r[key] for r in ranks) for key in mine}
@@ -1987,69 +1927,68 @@ def report(res, args):
     n, (pb, gb, ob) = "N" if G == world else "G", bytes_per_parameter(args)
     formula = memory_formula(stage, psi, world, pb, gb, ob, shard_size=G)
     labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3), "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
-              "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1)}
+              "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1),
+              "total": [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
+                        f"{pb + gb + ob}Ψ/{n}"][stage]}
     peak, ours = res["peak"] or {}, res["label"].startswith("zero.py")  # notes on zero.py only
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
          f"\n  formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)\n"
          f"  {'':<10} {'measured':>12}   {'formula':<10} {'':>12}   {'peak during a step':>18}")
-    for kind in ("params", "grads", "optimizer"):
-        log0(f"  {kind:<10} {res['mem'][kind]:>12,}   {labels[kind]:<10} {formula[kind]:>12,.0f}"
-             f"   {format(peak[kind], ',') if peak else 'not measured':>18}")
-    total = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
-             f"{pb + gb + ob}Ψ/{n}"][stage]
-    log0(f"  {'total':<10} {sum(res['mem'].values()):>12,}   {total:<10} "
-         f"{sum(formula.values()):>12,.0f}\n  (measured includes padding and Adam's step "
-         "counters; 'peak' adds the transient full-unit\n   gradients of stages 2 and 3, with "
-         "their all-to-all receive buffers on gloo/CPU, and the\n   gathered units of stage 3"
-         + ("; in mixed precision, the fp32 copy of the gradients the\n   optimizer steps with)"
-            if args.bf16 else ")"))
-    built = res["build_peak"]
-    if ours and built["params"] >= 0:  # the model came built on the meta device
+    for kind in ("params", "grads", "optimizer", "total"):
+        got, want = (sum(d.values()) if kind == "total" else d[kind] for d in (res["mem"], formula))
+        at_peak = format(peak[kind], ",") if peak and kind in peak else "not measured"
+        log0(f"  {kind:<10} {got:>12,}   {labels[kind]:<10} {want:>12,.0f}"
+             + f"   {at_peak:>18}" * (kind != "total"))
+    log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
+         "full-unit\n   gradients of stages 2 and 3, with their all-to-all receive buffers on "
+         "gloo/CPU, and the\n   gathered units of stage 3" + (
+             "; in mixed precision, the fp32 copy of the gradients the\n   optimizer steps with)"
+             if args.bf16 else ")"))
+    if ours and res["build_peak"]["params"] >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
-             f"{sum(built.values()):,} bytes\n   of model state held on a rank, against "
-             f"{4 * psi:,} for the whole model's parameters as built (fp32)")
+             f"{sum(res['build_peak'].values()):,} bytes\n   of model state held on a rank, "
+             f"against {4 * psi:,} for the whole model's parameters as built (fp32)")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
          f"bytes,\n  reductions in 4; N = {world}, k = {k} micro-batches"
          + (f", G = {G}: hybrid)" if G < world else ")"))
-    expected, comm = comm_formula(stage, psi, world, pb, 4, k, shard_size=G), res["comm"]
+    expected, comm, across = comm_formula(stage, psi, world, pb, 4, k, G), res["comm"], \
+        "all_reduce across groups"
     ring = f"Ψ({n}-1)/{n}" if stage else "Ψ(N-1)/N"
     names = {"all_reduce": f"2{ring}" if stage == 0 else "-",
              "reduce_scatter": f"{k}·{ring}" if stage >= 2 else ring,
              "all_gather": f"{2 * k}·{ring}" if stage == 3 else ring,
-             "all_reduce across groups": f"{1 if stage == 1 else k}·2Ψ/G (R-1)/R"}
-    width = 24 if G < world else 15
+             across: f"{1 if stage == 1 else k}·2Ψ/G (R-1)/R", "total": ""}
     for kind in [*sorted(set(comm) | set(expected)), "total"]:
         got, want = (sum(d.values()) if kind == "total" else d.get(kind, 0) for d in (comm, expected))
-        log0(f"  {kind:<{width}} {got:>14,.0f}   {names.get(kind, '-') * (kind != 'total'):<15} "
+        log0(f"  {kind:<{24 if G < world else 15}} {got:>14,.0f}   {names.get(kind, '-'):<15} "
              f"{want:>14,.0f}")
-    notes = []
-    if G < world:  # the point of hybrid sharding: only the shard's all-reduce crosses groups
-        across = "all_reduce across groups"
-        notes.append(f"inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} "
-                     f"measured, {sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
-                     f"\n   across the R = {world // G} groups: {comm.get(across, 0):,.0f}, "
-                     f"formula {expected.get(across, 0):,.0f}")
-    gloo = ours and stage > 0 and dist.get_backend() == "gloo"
-    notes += ["stage 3: the root unit stays gathered from forward into backward, one all-gather "
-              "fewer"] * (stage == 3 and ours)
-    notes += [f"gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
-              f"{A2A_BYTES >> 20} MB),\n   all_gather as N broadcasts: the same bytes per rank, "
-              "in less time; see\n   reduce_scatter() in zero.py"] * (gloo and DIRECT and
-                                                                     res["cuda_peak"] is None)
-    notes += ["gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of the whole "
-              "input,\n   through host memory: on the wire an all-reduce's bytes, twice a ring "
-              "reduce-scatter's,\n   and on the GPU one more full-unit gradient per reduction in "
-              "flight, not in 'peak'"] * (gloo and res["cuda_peak"] is not None)
-    if ours and comm.get("all_reduce") and world > 1:
-        why = ["16 bytes a step that check ranks agree (check_steps)"] + [
-            "the sum of squares for clipping by the global gradient norm" if args.clip > 0 else
-            "the sum of squares for the global gradient norm, checked finite"] * (stage >= 1)
-        notes.append("all_reduce" + (" includes " if stage == 0 else ": ") + ",\n   and ".join(why))
-    for note in notes:
-        log0(f"  ({note})")
+    gloo, on_cuda = ours and stage > 0 and dist.get_backend() == "gloo", bool(res["cuda_peak"])
+    notes = [  # what the measured bytes count that the formula does not, or otherwise
+        (G < world, f"inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} "
+                    f"measured, {sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
+                    f"\n   across the R = {world // G} groups: {comm.get(across, 0):,.0f}, "
+                    f"formula {expected.get(across, 0):,.0f}"),
+        (stage == 3 and ours, "stage 3: the root unit stays gathered from forward into "
+                              "backward, one all-gather fewer"),
+        (gloo and DIRECT and not on_cuda,
+         f"gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
+         f"{A2A_BYTES >> 20} MB),\n   all_gather as N broadcasts: the same bytes per rank, in "
+         "less time; see\n   reduce_scatter() in zero.py"),
+        (gloo and on_cuda, "gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of "
+                           "the whole input,\n   through host memory: on the wire an all-reduce's "
+                           "bytes, twice a ring reduce-scatter's,\n   and on the GPU one more "
+                           "full-unit gradient per reduction in flight, not in 'peak'"),
+        (ours and comm.get("all_reduce") and world > 1,
+         "all_reduce" + (" includes " if stage == 0 else ": ") + "16 bytes a step that check "
+         "ranks agree (check_steps)" + ",\n   and the sum of squares for " * (stage >= 1) + (
+             ("clipping by the global gradient norm" if args.clip > 0 else
+              "the global gradient norm, checked finite") if stage >= 1 else ""))]
+    for shown, note in notes:
+        if shown:
+            log0(f"  ({note})")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
-    if res["cuda_peak"]:
+    if on_cuda:
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
     if args.max_memory and res["used"] >= 0:
@@ -2094,23 +2033,6 @@ def positive(kind):
     return parse
 
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def memory_size(text):
-    """An argparse type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes."""
-    number = text.strip().rstrip("BbIiKkMmGgTt ")
-    try:
-        size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
-    if not 0 < size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive" if not size > 0 else
-                                          f"{text!r} is too large (at most 4EiB)")
-    return int(size)
-
-
 def training_parser(description):
     p = Parser(description=description)
     p.add_argument("--stage", type=int, default=3, choices=range(4),
@@ -2122,7 +2044,7 @@ def training_parser(description):
             ("--batch-size", int, 8, "rows per rank per micro-batch"),
             ("--grad-accum", int, 1, "micro-batches (backward calls) per step"),
             ("--lr", float, 3e-3, "AdamW's learning rate; applied also when resuming"),
-            ("--timeout", float, 120, f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} "
+            ("--timeout", float, 600, f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} "
                                       f"to {TIMEOUTS[1]:g}")]:
         p.add_argument(flag, type=positive(kind), default=default, help=text)
     p.add_argument("--seed", type=int, default=0,
@@ -2163,7 +2085,7 @@ def training_parser(description):
                         "per directory (default: no checkpoints)")
     p.add_argument("--ckpt-every", type=positive(int),
                    help="steps between checkpoints (default: after the last step only)")
-    p.add_argument("--max-memory", type=memory_size, metavar="SIZE",
+    p.add_argument("--max-memory", type=lambda text: _memory().memory_size(text), metavar="SIZE",
                    help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its "
                         "runtime, enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on "
                         "a GPU; running out is one line, exit code 4 (default: no limit)")
@@ -2173,7 +2095,8 @@ def training_parser(description):
 
 SEEDS = 2**32  # --seed: 0 to 2**32 - 1 (get_batch multiplies it into a 64-bit generator seed)
 TIMEOUTS = (1, 1e7)  # --timeout, seconds: below 1 s set-up fails; timedelta and c10d overflow
-MIN_MEMORY = 10**6  # --max-memory: below it a thread the runtime starts can abort the process
+# (--timeout's default, 600 s, torch's NCCL one, leaves room for the longest wait this program
+# makes: the others waiting in a collective while rank 0 writes a checkpoint's manifest)
 
 
 def check_args(args):
@@ -2195,9 +2118,6 @@ def check_args(args):
             (not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1],
              f"--timeout must be from {TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, not "
              f"{args.timeout:g}"),
-            (args.max_memory is not None and args.max_memory < MIN_MEMORY,  # (glibc aborts)
-             f"--max-memory {args.max_memory or 0:,} bytes leaves no room for the threads the "
-             "runtime still starts (their stacks count): at least 1MB"),
             (args.data is not None and (size is None or not os.access(args.data, os.R_OK)),
              f"--data {args.data}: not a file that can be read"),
             (args.ckpt_every and not args.ckpt_dir, "--ckpt-every needs --ckpt-dir")]:
