@@ -8,16 +8,16 @@ checkpoints.py: sharded checkpoints for zero.py's stages, readable at any stage 
 What it is: the content of a checkpoint (each rank's part, in the model's coordinates, and how a
 part is cut back into what a rank of another job owns), the files (written atomically, one job
 per directory, rotated, checked against a manifest of sizes and hashes before anything is
-loaded), consolidation into one plain state_dict, and interoperation with PyTorch's own
-torch.distributed.checkpoint (DCP), which fsdp_demo.py's FSDP2 runs write and read.
+loaded), consolidation into one plain state_dict (which --init-from reads back), and
+interoperation with torch.distributed.checkpoint (DCP), which fsdp_demo.py's FSDP2 runs use.
 
 What it uses of zero.py: the Unit layout (unit.flat, offset, stepped, master, pieces),
 zero.layout() (the names and shapes each unit holds), zero.replicated(), zero.all_gather,
 zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpoint is first
-needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate.
+needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
+--init-from.
 """
-import contextlib, functools, hashlib, itertools, json, os, shutil, sys, warnings
-from collections import Counter
+import contextlib, functools, hashlib, itertools, json, math, os, shutil, sys, warnings
 
 import torch
 import torch.distributed as dist
@@ -38,13 +38,6 @@ class CheckpointError(UsageError):
 # (Adam's m and v), plus the names and shapes of the parameters in each unit's flat order
 # (layout()). Reading cuts what a rank owns now out of the parts that hold it, parameter by
 # parameter, by name. The files: save_checkpoint() below.
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
 
 def part_index(rank, world, G):
     """The part of a checkpoint rank `rank` writes: rank itself, unless G < N, where the N/G
@@ -68,12 +61,11 @@ def checkpoint_part(zero):
     # Scalars per parameter, by name: one that got no gradient in some steps was stepped fewer
     # times (Adam's step count, which its bias correction reads). A parameter absent: the
     # optimizer holds no state for it yet (never stepped), and its per-element state is zeros.
-    scalars = {}
-    for u in zero.units:
-        for piece, owners in zip(u.pieces, u.owners):
-            for p in owners if state[piece] else ():  # a copy: a later step must not change it
-                scalars[names[p]] = {k: v.to("cpu", copy=True) if torch.is_tensor(v) else v
-                                     for k, v in state[piece].items() if not per_element(v, piece)}
+    # Each a copy: a later step must not change it.
+    scalars = {names[p]: {k: v.to("cpu", copy=True) if torch.is_tensor(v) else v
+                          for k, v in state[piece].items() if not per_element(v, piece)}
+               for u in zero.units for piece, owners in zip(u.pieces, u.owners)
+               if state[piece] for p in owners}
     for u in zero.units:
         S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
         lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
@@ -84,8 +76,8 @@ def checkpoint_part(zero):
             pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
             return _wide(torch.cat([u.master[:0].cpu()] + [t.detach().cpu() for t in pieces
                                                             if t.numel()]))
-        units.append({"master": mine(u.pieces), "state": {
-            k: mine([state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces])
+        units.append({"master": mine(u.pieces), "state": {k: mine(
+            [state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces])
             for k in keys}})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
@@ -99,11 +91,12 @@ def load_own_part(zero, state):
     Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
     0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
     q = part_index(zero.rank, zero.world, zero.N)
-    if not isinstance(state, dict) or state.get("rank") != q or \
-            state.get("layout") != layout(zero):
-        raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of this "
-                              "model at this stage and world size; for any other, use "
-                              "save_checkpoint() and load_checkpoint()")
+    with _agreed(zero.units[0].flat.device):  # one rank's refusal is every rank's: none waits
+        if not isinstance(state, dict) or state.get("rank") != q or \
+                state.get("layout") != layout(zero):
+            raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
+                                  "this model at this stage and world size; for any other, use "
+                                  "save_checkpoint() and load_checkpoint()")
     parts = [state if r == q else None for r in range(zero.world)]
     if zero.stage == 0 and zero.world > 1:
         parts = _gather_parts(zero, state, None, range(zero.world))
@@ -118,12 +111,9 @@ def load_own_part(zero, state):
 def _gather_parts(zero, state, group, ranks):
     """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
     each one's own; None for the others."""
-    parts = [None] * zero.world
-    for r in ranks:
-        parts[part_index(r, zero.world, zero.N)] = dict(state, units=[], replicated=None,
-                                                        rank=part_index(r, zero.world, zero.N))
-    if parts[0] is not None:
-        parts[0]["replicated"] = state["replicated"] if state["rank"] == 0 else None
+    qs, parts = [part_index(r, zero.world, zero.N) for r in ranks], [None] * zero.world
+    for q in qs:  # frozen parameters and buffers: rank 0's own (load_parts reads part 0's), or None
+        parts[q] = dict(state, rank=q, units=[], replicated=state["replicated"] or None)
     device = zero.units[0].flat.device
     for unit in state["units"]:
         gathered = {}
@@ -131,50 +121,45 @@ def _gather_parts(zero, state, group, ranks):
             full = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
             all_gather(full, t.to(device), group=group)
             gathered[key] = full.cpu().view(len(ranks), -1)
-        for j, r in enumerate(ranks):
-            parts[part_index(r, zero.world, zero.N)]["units"].append({
-                "master": gathered["master"][j],
-                "state": {k: v[j] for k, v in gathered.items() if k != "master"}})
+        for j, q in enumerate(qs):
+            parts[q]["units"].append({"master": gathered["master"][j], "state": {
+                k: v[j] for k, v in gathered.items() if k != "master"}})
     return parts
 
 
 def load_parts(zero, parts, written):
     """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
-    all its ranks, in rank order (None for a part this rank does not need), `layout` the
+    all its ranks, in rank order (None for a part this rank does not need), `written` the
     writer's layout(). Exact: each element's values are copied, not recomputed."""
-    where, S = {}, []  # parameter name -> (writer's unit, offset in its flat); writer's shard sizes
-    for i, params in enumerate(written["units"]):
-        o = 0
-        for name, shape in params:
-            where[name], o = (i, o), o + _numel(shape)
-        S.append(-(-o // len(parts)))
-
-    def read(name, lo, hi, key):  # elements [lo, hi) of a parameter, from the parts that hold them
-        i, o = where[name]
-        return _elements(parts, S[i], i, o + lo, o + hi, key)
-
-    first = next(p for p in parts if p is not None)
-    keys = list(dict.fromkeys(k for part in parts if part is not None
-                              for unit in part["units"] for k in unit["state"]))
-    scalars = {}  # parameter name -> its optimizer scalars; absent: no state, never stepped
-    for part in parts:
-        scalars.update(_param_scalars(part, written) if part is not None else {})
-    load_values(zero, read, keys, scalars, first["hyper"],
+    present = [part for part in parts if part is not None]
+    load_values(zero, _reader(parts, written), checkpoint_state_keys(present),
+                checkpoint_scalars(written, present), present[0]["hyper"],
                 parts[0]["replicated"] if parts[0] is not None else None)
 
 
-def _elements(parts, S, i, lo, hi, key):
-    """Elements [lo, hi) of unit i's flat `key` (master or an optimizer state), which the writer
-    cut into parts of S elements: a view where one part holds them all, else a copy."""
-    out = []
-    while lo < hi:
-        q = lo // S  # the rank that wrote element lo
-        end = min(hi, (q + 1) * S)
-        unit = parts[q]["units"][i]  # (a part without state: the optimizer had none there)
-        t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
-        out.append(t[lo - q * S:end - q * S])
-        lo = end
-    return out[0] if len(out) == 1 else torch.cat(out)
+def _reader(parts, written):
+    """read(name, lo, hi, key): elements [lo, hi) of a parameter (by name, flattened) of its
+    master weights (key "master") or of an optimizer state, which the writer (its layout()
+    `written`) cut into len(parts) parts of each unit: a view where one part holds them all,
+    else a copy. A part without state: the optimizer had none there (zeros)."""
+    where = {}  # parameter name -> (writer's unit, offset in its flat, the unit's part size S)
+    for i, params in enumerate(written["units"]):
+        o, S = 0, -(-sum(math.prod(s) for _, s in params) // len(parts))
+        for name, shape in params:
+            where[name], o = (i, o, S), o + math.prod(shape)
+
+    def read(name, lo, hi, key):
+        i, o, S = where[name]
+        lo, hi, out = o + lo, o + hi, []
+        while lo < hi:
+            q = lo // S  # the rank that wrote element lo
+            end = min(hi, (q + 1) * S)
+            unit = parts[q]["units"][i]
+            t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
+            out.append(t[lo - q * S:end - q * S])
+            lo = end
+        return out[0] if len(out) == 1 else torch.cat(out)
+    return read
 
 
 def load_values(zero, read, keys, scalars, hyper, frozen):
@@ -200,8 +185,7 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
             if any(len({_digest(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
                 split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
-            sizes = [piece.numel() for piece in u.pieces]
-            chunks = (t.split(sizes) for t in values.values())
+            chunks = (t.split([piece.numel() for piece in u.pieces]) for t in values.values())
             for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
                 p = owners[0]  # (the parameters of a piece have the same scalars)
                 if names[p] in scalars:  # the optimizer has state for p (it was stepped)
@@ -233,11 +217,9 @@ def check_checkpoint(zero, parts, written):
     """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
     checked by read_checkpoint) fits this model and optimizer."""
     mine = layout(zero)
-    want = {n: s for unit in mine["units"] for n, s in unit}
-    got = {n: s for unit in written["units"] for n, s in unit}
-    for kind, a, b in [("parameter", want, got),
-                       ("frozen parameter or buffer", mine["replicated"], written["replicated"])]:
-        another_model(a, b, kind)
+    another_model(*({n: s for unit in lay["units"] for n, s in unit} for lay in (mine, written)),
+                  "parameter")
+    another_model(mine["replicated"], written["replicated"], "frozen parameter or buffer")
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
     # a rank whose parameters never got a gradient has no state to write).
@@ -249,8 +231,7 @@ def check_checkpoint(zero, parts, written):
         for i, unit in enumerate(part["units"]):
             if set(unit["state"]) not in (keys, set()):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
-                                      f"{sorted(unit['state'])}, other parts have "
-                                      f"{sorted(keys)}")
+                                      f"{sorted(unit['state'])}, other parts have {sorted(keys)}")
     if parts[0].get("optimizer") != type(zero.optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
                               f", this run has {type(zero.optimizer).__name__}")
@@ -271,14 +252,14 @@ def full_state_dict(zero):
     full = {}
     for unit in zero.units:  # one unit at a time: stage 3 never holds the whole model at once
         if zero.stage == 0:
-            flat = _wide(unit.master)  # [N*S]: every rank steps the whole unit
+            flat = unit.master  # [N*S]: every rank steps the whole unit
         elif zero.stage < 3 and not zero.mixed_precision:
-            flat = _wide(unit.flat)  # the flat buffer holds every rank's stepped shard
+            flat = unit.flat  # the flat buffer holds every rank's stepped shard
         else:  # the masters are sharded: gather them
             flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
             all_gather(flat, unit.master, group=zero.group)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
-            flat = _wide(flat)
+        flat = _wide(flat)  # (float32, float64 kept)
         full.update({p: unit.view(flat, p).clone() for p in unit.params})
     return {n: full[p] if p in full else _wide(p.detach()).clone()
             for n, p in zero.model.named_parameters()}
@@ -292,13 +273,12 @@ def load_full_state_dict(zero, state):
     pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
     (floating or not) must fit the model; a tied parameter needs one of its names."""
     want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    source = {}
+    source = {}  # the model's tensor -> (key, the state_dict's tensor), by its first key there
     for key, t in want.items():
-        if key in state and t not in source:
-            source[t] = (key, state[key])
+        if key in state:
+            source.setdefault(t, (key, state[key]))
     problem = next((f"no {key!r} in it" for key, t in want.items() if t not in source),
-                   next((f"{key!r} is not in the model" for key in state if key not in want),
-                        None))
+                   next((f"{key!r} is not in the model" for key in state if key not in want), None))
     for t, (key, s) in source.items():
         if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
                                 s.is_floating_point() != t.dtype.is_floating_point):
@@ -361,8 +341,7 @@ def _atomic_write(path, write):
             os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        _remove_quietly(tmp)
         raise
     _fsync_dir(os.path.dirname(path))  # and so is the rename
 
@@ -376,8 +355,7 @@ def _exchange(a, b):
     libc = ctypes.CDLL(None, use_errno=True)
     if hasattr(libc, "renameat2"):
         AT_FDCWD, RENAME_EXCHANGE = -100, 2
-        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b),
-                          RENAME_EXCHANGE) == 0:
+        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
             return _fsync_dir(os.path.dirname(b))
         if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
@@ -385,6 +363,24 @@ def _exchange(a, b):
     os.rename(a, b)
     os.rename(a + ".old", a)
     _fsync_dir(os.path.dirname(b))
+
+
+def _commit(tmp, path, marker, info, keep=None):
+    """Rank 0, once every rank's files are in directory tmp: the marker that makes it a complete
+    checkpoint (info as JSON: zero.py's manifest.json, DCP's complete.json), then tmp takes the
+    name path (if not its name already), then _rotate(keep) if keep is not None. A checkpoint of
+    that step there already: the names swapped in one step (_exchange), and the old one, now at
+    tmp, goes. A rotation that fails leaves more checkpoints, never fewer: not an error."""
+    _atomic_write(os.path.join(tmp, marker), lambda f: f.write(_json_lines(info).encode()))
+    if tmp != path and os.path.exists(path):
+        _exchange(tmp, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif tmp != path:
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+    if keep is not None:
+        with contextlib.suppress(OSError, CheckpointError):
+            _rotate(os.path.dirname(path), info["step"], keep)
 
 
 def _is_temporary(name):
@@ -417,9 +413,8 @@ def _step_of(name):
     """The step of a checkpoint directory's name, step_00000010 -> 10; None for any other name
     (step_00000010.bak, step_, step_10, a file's name...)."""
     digits = name[5:]
-    if name.startswith("step_") and digits.isascii() and digits.isdigit():
-        if name == f"step_{int(digits):08d}":
-            return int(digits)
+    if name.startswith("step_") and digits.isdecimal() and name == f"step_{int(digits):08d}":
+        return int(digits)  # (a non-ASCII digit, which int() reads too, fails the name's test)
     return None
 
 
@@ -429,13 +424,9 @@ def _steps(root):
         names = os.listdir(root) if os.path.isdir(root) else []
     except OSError as e:
         raise CheckpointError(f"{root}: cannot be listed ({e.strerror})") from None
-    found = {}
-    for name in names:
-        step = _step_of(name)
-        if step is not None and any(os.path.exists(os.path.join(root, name, marker))
-                                    for marker in ("manifest.json", DCP_MARKER)):
-            found[step] = os.path.join(root, name)
-    return found
+    return {_step_of(name): os.path.join(root, name) for name in names
+            if _step_of(name) is not None and any(os.path.exists(os.path.join(root, name, marker))
+                                                  for marker in ("manifest.json", DCP_MARKER))}
 
 
 def latest_checkpoint(root):
@@ -448,17 +439,13 @@ def choose_checkpoint(root, device):
     """latest_checkpoint(root) as rank 0 sees it, on every rank (a collective). Each rank listing
     root on its own could resume two ranks from two checkpoints, when one completes between their
     listings."""
-    mine, error = -1, None
-    if dist.get_rank() == 0:
-        try:
+    mine = -1
+    with _agreed(device):  # (rank 0's CheckpointError, on every rank: it cannot list root)
+        if dist.get_rank() == 0:
             mine = max(_steps(root), default=-1)
-        except CheckpointError as e:
-            mine, error = -2, e
     choice = torch.tensor([mine], dtype=torch.int64, device=device)
     dist.broadcast(choice, src=0)
     step = choice.item()
-    if step == -2:
-        raise error or CheckpointError(f"{root}: rank 0 cannot list it")
     return None if step < 0 else os.path.join(root, f"step_{step:08d}")
 
 
@@ -469,6 +456,36 @@ def _first_error(error, device):
     rows = _all_ranks(list(text.ljust(512, b"\0")), device, dtype=torch.uint8)
     errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
     return next((e for e in errors if e), "")
+
+
+@contextlib.contextmanager
+def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=None):
+    """Run the block on every rank, then agree: every rank's error (a UsageError's message, or
+    say(e) for an exception of the classes `catch`) goes to every rank (_first_error), and if
+    any rank had one, every rank runs undo() (if given) and raises kind(the first one). So all
+    raise together: none is left waiting alone in a collective, and none goes on, to change
+    anything or believing that what the block did is done, where another rank failed."""
+    error = ""
+    try:
+        yield
+    except UsageError as e:  # (a CheckpointError too)
+        error = str(e)
+    except catch as e:
+        error = say(e)
+    error = _first_error(error[:500], device)
+    if error:
+        if undo is not None:
+            undo()
+        raise kind(error) from None
+
+
+def _reason(e):
+    """What went wrong, in one line: an OSError's strerror (a full disk...), DCP's the last
+    line of the first rank's traceback it carries, else the first line of the message."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return (lines[-1] if isinstance(e, _dcp_error()) else lines[0])[:300]
 
 
 def _lock_holder(fd):
@@ -494,31 +511,24 @@ def ckpt_dir_lock(root, device):
     died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
     the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
     import fcntl
-    fd, error = None, ""
+    fd, what = None, f"checkpoint directory {root}"
     try:
-        if os.path.exists(root) and not os.path.isdir(root):
-            raise UsageError(f"checkpoint directory {root}: exists and is not a directory")
-        os.makedirs(root, exist_ok=True)
-        if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-            raise UsageError(f"checkpoint directory {root}: not writable")
-        if dist.get_rank() == 0:
-            fd = os.open(root, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise UsageError(f"checkpoint directory {root}: in use by another job"
-                                 f"{_lock_holder(fd)}; one job per directory") from None
-            except OSError as e:
-                print(f"warning: checkpoint directory {root} cannot be locked ({e.strerror}): "
-                      "make sure that no other job uses it", file=sys.stderr, flush=True)
-    except UsageError as e:
-        error = str(e)
-    except OSError as e:
-        error = f"checkpoint directory {root}: {e.strerror or e}"
-    error = _first_error(error, device)
-    try:
-        if error:
-            raise UsageError(error)
+        with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
+            if os.path.exists(root) and not os.path.isdir(root):
+                raise UsageError(f"{what}: exists and is not a directory")
+            os.makedirs(root, exist_ok=True)
+            if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+                raise UsageError(f"{what}: not writable")
+            if dist.get_rank() == 0:
+                fd = os.open(root, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}; one job "
+                                     "per directory") from None
+                except OSError as e:
+                    print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
+                          "other job uses it", file=sys.stderr, flush=True)
         yield
     finally:
         if fd is not None:
@@ -567,54 +577,42 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
         _first_error("", device)
     q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
     name = os.path.join(path, f"rank_{q:05d}.pt")
-    manifest_path = os.path.join(path, "manifest.json")
 
-    def failed(error):  # "" if no rank failed; else every rank removes what this save wrote
-        if error:
-            _remove_quietly(name)  # (a manifest that failed is never renamed into place)
-            if opt.rank == 0:
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)  # if nothing else is left in it
-            raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written "
-                                  "before it are intact")
+    def undo():  # if any rank failed: every rank removes what this save wrote
+        _remove_quietly(name)  # (a manifest that failed is never renamed into place)
+        if opt.rank == 0:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)  # if nothing else is left in it
 
-    size, digest, error = 0, bytes(32), ""
-    try:
+    size, digest = 0, bytes(32)  # (torch.save reports some failed writes as RuntimeError)
+    with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
         os.makedirs(path, exist_ok=True)
         _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
         _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
         size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
-    except (OSError, RuntimeError) as e:  # torch.save reports some failed writes as RuntimeError
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        error = f"rank {opt.rank}: {getattr(e, 'filename', None) or name}: {reason}"
-    failed(_first_error(error, device))
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
     rows = _all_ranks([size, *digest], device)
-    error = ""
-    if opt.rank == 0:
-        files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
-                 for r, row in enumerate(rows)}
-        aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
-        keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
-                if p.requires_grad}
-        manifest = {"format": FORMAT, "step": step, **layout(opt),
-                    "optimizer": type(opt.optimizer).__name__,
-                    "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
-                    "files": files,
-                    "extra": extra or {}}
-        try:
-            _atomic_write(manifest_path, lambda f: f.write(_json_lines(manifest).encode()))
-            if path != final:  # complete: it takes the old one's name, the old one goes
-                _exchange(path, final)
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError as e:
-            error = f"rank 0: {manifest_path}: {e.strerror or e}"
-        else:
-            with contextlib.suppress(OSError, CheckpointError):
-                _rotate(root, step, keep)
-    # nobody goes on (or dies) believing a save is complete before it is
-    failed(_first_error(error, device))
+    files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
+             for r, row in enumerate(rows)}
+    aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
+    keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
+            if p.requires_grad}
+    manifest = {"format": FORMAT, "step": step, **layout(opt),
+                "optimizer": type(opt.optimizer).__name__,
+                "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
+                "files": files, "extra": extra or {}}
+    # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
+    manifest_path = os.path.join(path, "manifest.json")
+    with _agreed(device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
+        if opt.rank == 0:  # complete; an overwrite then takes the old one's name, the old one goes
+            _commit(path, final, "manifest.json", manifest, keep)
+
+
+def _not_saved(step, rank, file):
+    """say(e) for a save's _agreed: the one line every rank raises (`file`: where e names none)."""
+    return lambda e: (f"step {step} not saved: rank {rank}: {getattr(e, 'filename', None) or file}"
+                      f": {_reason(e)}; the checkpoints written before it are intact")
 
 
 def _count(x, least=0):
@@ -625,43 +623,41 @@ def _is_shape(x):
     return isinstance(x, list) and all(map(_count, x))
 
 
+def _pair(x, first, second):  # [a, b], where first(a) and second(b)
+    return isinstance(x, list) and len(x) == 2 and first(x[0]) and second(x[1])
+
+
 def _manifest_problem(m):
     """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
     if not _count(m.get("step")):
         return f"'step' is {m.get('step')!r}, not a step number"
     if not (_count(m.get("stage")) and m["stage"] < 4):
         return f"'stage' is {m.get('stage')!r}, not 0, 1, 2 or 3"
-    n = m.get("world_size")
+    n, units, replicated = m.get("world_size"), m.get("units"), m.get("replicated")
     if not _count(n, 1):
         return f"'world_size' is {n!r}, not a number of ranks"
-    units, replicated = m.get("units"), m.get("replicated")
-    if not (isinstance(units, list) and all(isinstance(u, list) for u in units) and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _is_shape(p[1])
-            for u in units for p in u)):
+    text = lambda x: isinstance(x, str)  # noqa: E731
+    if not (isinstance(units, list) and all(isinstance(u, list) and all(
+            _pair(p, text, _is_shape) for p in u) for u in units)):
         return "'units' is not a list, per unit, of [name, shape] (a shape: a list of ints >= 0)"
     if not (isinstance(replicated, dict) and all(map(_is_shape, replicated.values()))):
         return "'replicated' is not a dictionary {name: shape}"
-    psi = sum(_numel(s) for u in units for _, s in u)
+    psi = sum(math.prod(s) for u in units for _, s in u)
     if m.get("psi") != psi:
         return f"'psi' is {m.get('psi')!r}, its units hold {psi} elements"
     names = {name for u in units for name, _ in u} | set(replicated)
-    keys = m.get("keys")
-    if not (isinstance(keys, list) and all(isinstance(k, list) and len(k) == 2 and
-                                           all(isinstance(x, str) for x in k) and k[1] in names
-                                           for k in keys)):
+    if not (isinstance(m.get("keys"), list) and all(
+            _pair(k, text, lambda x: text(x) and x in names) for k in m["keys"])):
         return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
     files = m.get("files")
     if not isinstance(files, dict) or not files:
         return "'files' is missing or empty"
-    want = {f"rank_{r:05d}.pt" for r in range(n)} if len(files) == n else set()
-    if set(files) != want:
-        named = ", ".join(map(repr, sorted(files)))
+    if len(files) != n or set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:
         return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
-                f"not {named[:200]}")
+                f"not {', '.join(map(repr, sorted(files)))[:200]}")
+    sha256 = lambda h: text(h) and len(h) == 64 and set(h) <= set("0123456789abcdef")  # noqa: E731
     for file, entry in files.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and _count(entry[0]) and
-                isinstance(entry[1], str) and len(entry[1]) == 64 and
-                set(entry[1]) <= set("0123456789abcdef")):
+        if not _pair(entry, _count, sha256):
             return f"'files' entry {file}: not [size, sha256 in hex]"
     if not isinstance(m.get("extra"), dict):
         return "'extra' is missing or not a dictionary"
@@ -679,7 +675,7 @@ def _part_problem(part, r, manifest):
     if not isinstance(units, list) or len(units) != len(manifest["units"]):
         return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
     for i, (unit, params) in enumerate(zip(units, manifest["units"])):
-        size = -(-sum(_numel(s) for _, s in params) // manifest["world_size"])
+        size = -(-sum(math.prod(s) for _, s in params) // manifest["world_size"])
         state = unit.get("state") if isinstance(unit, dict) else None
         tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
         if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
@@ -697,13 +693,38 @@ def _regular_size(file, missing):
     import stat
     try:
         st = os.stat(file)
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: {missing}") from None
     except OSError as e:
-        raise CheckpointError(f"{file}: {e.strerror}") from None
+        raise CheckpointError(f"{file}: " + (missing if isinstance(e, FileNotFoundError)
+                                             else e.strerror)) from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{file}: not a regular file")
     return st.st_size
+
+
+def _read_json(file, missing, format, problem):
+    """The dictionary in `file`, a regular file of JSON (a manifest, DCP's marker), whose
+    "format" is `format` and in which problem(it) finds none; else a CheckpointError that says
+    what is wrong (`missing`: what a missing file means)."""
+    _regular_size(file, missing)
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != format:
+        raise CheckpointError(f"{file}: not a {format!r} file")
+    if what := problem(d):
+        raise CheckpointError(f"{file}: {what}")
+    return d
+
+
+# What reading contents that got past the checks raises (files that another program wrote?)
+_LAYOUT_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
+
+
+def _not_laid_out(path, e):
+    return f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: " \
+           f"{_reason(e)})"
 
 
 def read_checkpoint(path, verify=None):
@@ -715,38 +736,23 @@ def read_checkpoint(path, verify=None):
     if path is None:
         raise CheckpointError("no checkpoint path was given (None: latest_checkpoint() returns "
                               "None where there is no complete checkpoint)")
-    manifest_path = os.path.join(path, "manifest.json")
-    _regular_size(manifest_path, "missing: no manifest.json, not a complete checkpoint")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{manifest_path}: unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: not a {FORMAT!r} manifest")
-    problem = _manifest_problem(manifest)
-    if problem:
-        raise CheckpointError(f"{manifest_path}: {problem}")
+    manifest = _read_json(os.path.join(path, "manifest.json"), "missing: no manifest.json, not a "
+                          "complete checkpoint", FORMAT, _manifest_problem)
     n, parts = manifest["world_size"], []
     for r in range(n):
         file = os.path.join(path, f"rank_{r:05d}.pt")
         size, digest = manifest["files"][os.path.basename(file)]
         found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
-        if found != size:
-            raise CheckpointError(f"{file}: {found} bytes, the manifest says {size}: "
-                                  "truncated or overwritten")
         try:
-            if (verify is None or r in verify) and _sha256(file) != digest:
-                raise CheckpointError(f"{file}: its sha256 differs from the manifest's: "
-                                      "the file is corrupt")
-            part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except CheckpointError:
-            raise
-        except OSError as e:
-            raise CheckpointError(f"{file}: {e.strerror or e}") from None
-        except Exception as e:  # weights_only refuses anything but plain tensors and containers
-            raise CheckpointError(f"{file}: cannot be read ({str(e).splitlines()[0]})") from None
-        problem = _part_problem(part, r, manifest)
+            if found != size:
+                problem = f"{found} bytes, the manifest says {size}: truncated or overwritten"
+            elif (verify is None or r in verify) and _sha256(file) != digest:
+                problem = "its sha256 differs from the manifest's: the file is corrupt"
+            else:
+                part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                problem = _part_problem(part, r, manifest)
+        except Exception as e:  # an OSError; weights_only refuses all but tensors and containers
+            problem = f"cannot be read ({_reason(e)})"
         if problem:
             raise CheckpointError(f"{file}: {problem}")
         parts.append(part)
@@ -762,19 +768,10 @@ def load_checkpoint(opt, path):
     (fsdp_demo.py's, of FSDP2): load_dcp."""
     if path is not None and is_dcp(path):
         return load_dcp(opt, path)
-    error = ""
-    try:
+    # Agree before anyone changes anything (or waits alone in a collective): _agreed
+    with _agreed(opt.units[0].flat.device, _LAYOUT_ERRORS, functools.partial(_not_laid_out, path)):
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
         check_checkpoint(opt, parts, manifest)
-    except CheckpointError as e:
-        error = str(e)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # other contents
-        error = f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: {e})"
-    # Agree before anyone changes anything (or waits alone in a collective): every rank's error,
-    # up to 512 bytes of it, goes to every rank, and all raise the first one.
-    error = _first_error(error[:500], opt.units[0].flat.device)
-    if error:
-        raise CheckpointError(error)
     load_parts(opt, parts, manifest)
     return manifest
 
@@ -783,11 +780,9 @@ def checkpoint_tensors(manifest, parts, key="master"):
     """(name, tensor in its shape) of each parameter of a checkpoint (read_checkpoint), one at a
     time, of the master weights or of the optimizer state `key`: a view of a memory-mapped part,
     or a copy where two parts hold it. What consolidate() and fsdp_demo.py stream."""
-    for i, params in enumerate(manifest["units"]):
-        S, o = -(-sum(_numel(s) for _, s in params) // manifest["world_size"]), 0
-        for name, shape in params:
-            yield name, _elements(parts, S, i, o, o + _numel(shape), key).view(shape)
-            o += _numel(shape)
+    read = _reader(parts, manifest)
+    for name, shape in itertools.chain(*manifest["units"]):
+        yield name, read(name, 0, math.prod(shape), key).view(shape)
 
 
 def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's exp_avg, exp_avg_sq
@@ -810,16 +805,15 @@ def consolidate(path, out, kind):
     UsageError; neither leaves a file."""
     manifest, parts = read_checkpoint(path)
     try:
-        frozen, tensors = parts[0]["replicated"], dict(checkpoint_tensors(manifest, parts))
-        tensors.update(frozen)
+        tensors = dict(checkpoint_tensors(manifest, parts)) | parts[0]["replicated"]
         state, seen = {}, set()
         for key, name in manifest["keys"]:  # a tied weight: one tensor under both keys, as in
             t = _own_storage(tensors[name])  # state_dict(); safetensors wants two copies
             state[key] = t.clone() if kind == "safetensors" and name in seen else t
             seen.add(name)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: not laid out as this code writes checkpoints "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+    except _LAYOUT_ERRORS as e:
+        raise CheckpointError(_not_laid_out(path, e)) from None
+    tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
     try:
         if kind == "pt":
             _atomic_write(out, lambda f: torch.save(state, f))
@@ -828,19 +822,18 @@ def consolidate(path, out, kind):
             _atomic_write(out, lambda f: save_file(state, f.name))
         else:
             import torch.distributed.checkpoint as dcp
-            tmp = out.rstrip(os.sep) + ".partial"
             shutil.rmtree(tmp, ignore_errors=True)
-            with warnings.catch_warnings():  # ("assuming the intent is to save in a single process")
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
                 warnings.simplefilter("ignore")
                 dcp.save(state, checkpoint_id=tmp, no_dist=True)
-            _commit_dcp(tmp, out.rstrip(os.sep), {k: manifest[k] for k in (
-                "step", "stage", "world_size")} | {"optimizer": None, "extra": manifest["extra"]})
+            info = {k: manifest[k] for k in ("step", "stage", "world_size")}
+            _commit(tmp, out.rstrip(os.sep), DCP_MARKER,
+                    {"format": DCP_FORMAT, **info, "optimizer": None, "extra": manifest["extra"]})
     except (OSError, RuntimeError) as e:
         if kind == "dcp":
-            shutil.rmtree(out.rstrip(os.sep) + ".partial", ignore_errors=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+            shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
-                         f"({reason})") from None
+                         f"({_reason(e)})") from None
     return manifest
 
 
@@ -884,23 +877,18 @@ def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
-    found = latest_checkpoint(path) if os.path.isdir(path) else None
+    found = latest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
                               "DCP's .metadata), and no complete checkpoint in it")
     return found
 
 
-def _commit_dcp(tmp, path, info):
-    """Rank 0, once DCP has written every rank's files into tmp: the marker, then the rename."""
-    _atomic_write(os.path.join(tmp, DCP_MARKER),
-                  lambda f: f.write(_json_lines({"format": DCP_FORMAT, **info}).encode()))
-    if os.path.exists(path):  # the same step again: the names swapped in one step, as
-        _exchange(tmp, path)  # save_checkpoint does; the old one, now at tmp, goes
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+def _dcp_error():
+    # DCP's own error, raised by dcp.save and dcp.load for what failed on any rank (a missing
+    # key...), is a BaseException, not an Exception: caught by name, or one rank dies alone
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
 
 
 def save_dcp(state, root, step, info, device, keep=2):
@@ -908,22 +896,14 @@ def save_dcp(state, root, step, info, device, keep=2):
     calls it (a collective), and writes its own shards. info: what complete.json records."""
     import torch.distributed.checkpoint as dcp
     path = os.path.join(root, f"step_{step:08d}")
-    tmp, error = path + ".partial", ""
-    if dist.get_rank() == 0:
+    tmp, rank = path + ".partial", dist.get_rank()
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
     dist.barrier()
-    try:
+    with _agreed(device, (OSError, RuntimeError, _dcp_error()), _not_saved(step, rank, tmp)):
         dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
-        if dist.get_rank() == 0:
-            _commit_dcp(tmp, path, {"step": step, **info})
-            with contextlib.suppress(OSError, CheckpointError):
-                _rotate(root, step, keep)
-    except (OSError, RuntimeError) as e:
-        error = f"rank {dist.get_rank()}: {str(e).splitlines()[0][:300]}"
-    error = _first_error(error, device)
-    if error:
-        raise CheckpointError(f"step {step} not saved: {error}; the checkpoints written before "
-                              "it are intact")
+        if rank == 0:
+            _commit(tmp, path, DCP_MARKER, {"format": DCP_FORMAT, "step": step, **info}, keep)
 
 
 def read_dcp(path):
@@ -931,21 +911,16 @@ def read_dcp(path):
     checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
     Reads the index only, no tensor."""
     from torch.distributed.checkpoint import FileSystemReader
-    marker = os.path.join(path, DCP_MARKER)
-    _regular_size(marker, "missing: the DCP checkpoint is torn (a save killed midway?)")
+    info = _read_json(os.path.join(path, DCP_MARKER), "missing: the DCP checkpoint is torn (a "
+                      "save killed midway?)", DCP_FORMAT, _marker_problem)
     try:
-        with open(marker) as f:
-            info = json.load(f)
         metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:  # (an unreadable marker, or DCP's index missing or not one)
+    except Exception as e:  # (DCP's index missing or not one)
         raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(info, dict) or info.get("format") != DCP_FORMAT or \
-            not _count(info.get("step")) or not isinstance(info.get("extra"), dict):
-        raise CheckpointError(f"{marker}: not a {DCP_FORMAT!r} marker")
-    ends = Counter()  # each file's length that the index needs
+                              f"({type(e).__name__}: {_reason(e)})") from None
+    ends = {}  # each file's length that the index needs
     for item in metadata.storage_data.values():
-        ends[item.relative_path] = max(ends[item.relative_path], item.offset + item.length)
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
     for name, end in sorted(ends.items()):
         size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
         if size < end:
@@ -954,6 +929,11 @@ def read_dcp(path):
     tensors = {k: (list(v.size), v.properties.dtype)
                for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
     return info, tensors
+
+
+def _marker_problem(d):  # what is wrong with a DCP marker's contents (read_dcp), or None
+    if not (_count(d.get("step")) and isinstance(d.get("extra"), dict)):
+        return "'step' is not a step number, or 'extra' not a dictionary"
 
 
 def check_dcp(model, optimizer, info, tensors, path):
@@ -977,8 +957,9 @@ def load_dcp(zero, path):
     Each rank asks DCP only for the tensors of the parameters its elements are in (DCP then reads
     only their rows' bytes, from each writer's file), and cuts its elements out of them."""
     import torch.distributed.checkpoint as dcp
-    error, loaded = "", {}
-    try:
+    # every rank, before any change (_agreed); any other exception: DCP's, a file it cannot read
+    with _agreed(zero.units[0].flat.device, (Exception, _dcp_error()),
+                 lambda e: f"{path}: cannot be read ({type(e).__name__}: {_reason(e)})"):
         info, tensors = read_dcp(path)
         keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
         names = {p: n for n, p in zero.model.named_parameters()}
@@ -992,19 +973,11 @@ def load_dcp(zero, path):
         with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
-    except CheckpointError as e:
-        error = str(e)
-    except Exception as e:  # DCP's own errors: a file it cannot read
-        error = f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
-    error = _first_error(error[:500], zero.units[0].flat.device)  # every rank, before any change
-    if error:
-        raise CheckpointError(error)
     per_element = {k for n, ks in keys.items() for k in ks
                    if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
-    scalars = {}  # Adam's step count: a tensor of shape [] per parameter
-    for n, ks in keys.items():
-        if f"model.{n}" in loaded and ks:
-            scalars[n] = {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
+    # Adam's step count: a tensor of shape [] per parameter
+    scalars = {n: {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
+               for n, ks in keys.items() if f"model.{n}" in loaded and ks}
 
     def read(name, lo, hi, key):
         t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
@@ -1039,18 +1012,16 @@ def consolidate_command(args):
         raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
             args.consolidate) else "no such directory") + ": --consolidate takes a "
             "checkpoint directory (or a --ckpt-dir, its newest)")
-    found = os.path.exists(os.path.join(args.consolidate, "manifest.json"))
-    path = args.consolidate if found else latest_checkpoint(args.consolidate)
-    if path is None or is_dcp(path):
-        raise CheckpointError(f"{args.consolidate}: no complete checkpoint of zero.py's (no "
-                              "manifest.json)" + (": DCP's is read by dcp_to_torch_save"
-                                                  if path else ""))
+    path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
+    if is_dcp(path):
+        raise CheckpointError(f"{path}: a DCP checkpoint, not one of zero.py's (no manifest.json): "
+                              "DCP's is read by dcp_to_torch_save")
     m = consolidate(path, out, kind)
     print(f"wrote {out} ({kind}): {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
           f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")
 
 
-def resume(opt, args, position, device, log):
+def resume(opt, args, world, device, log):
     """zero.train's start with --ckpt-dir or --resume-from: load the newest complete checkpoint
     in --ckpt-dir, whatever stage and world size wrote it, as rank 0 sees it (choose_checkpoint);
     where there is none, --resume-from's, of either format (zero.py's or FSDP2's DCP). The data
@@ -1073,15 +1044,38 @@ def resume(opt, args, position, device, log):
          not in (0, manifest["world_size"]) else "") +
         (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
          if loaded_lr != args.lr else ""))
+    position = data_position(args, world)
     if manifest["extra"].get("data") != position:
         log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}"
             f", now {position}): training goes on, on other batches")
     return manifest["step"] + 1, found
 
 
-def save(opt, root, step, position):
-    """zero.train's checkpoint after a step (fsdp_demo.py's optimizer saves its own, DCP).
-    Returns the directory written."""
+def save(opt, args, step, world):
+    """zero.train's checkpoint after a step in --ckpt-dir (fsdp_demo.py's optimizer saves its
+    own, DCP). Returns the directory written."""
     getattr(opt, "save_checkpoint", functools.partial(save_checkpoint, opt))(
-        root, step, extra={"data": position})
-    return os.path.join(root, f"step_{step:08d}")
+        args.ckpt_dir, step, extra={"data": data_position(args, world)})
+    return os.path.join(args.ckpt_dir, f"step_{step:08d}")
+
+
+def data_position(args, world):
+    """What decides which rows step k trains on; equal in a resumed run means the same batches."""
+    return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
+            "grad_accum": args.grad_accum,
+            "data": os.path.basename(args.data) if args.data else "corpus"}
+
+
+def read_state_dict(path):
+    """--init-from: a plain state_dict file (what --consolidate writes, or
+    torch.save(model.state_dict())), memory-mapped: its pages are read only where used."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
+                         f"({type(e).__name__}: {' '.join(lines)[:200]})") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
+    return state
+

@@ -61,27 +61,22 @@ plus a manifest, resharded when loaded; each side continues the other's, Torch.l
 below and checkpoints.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
-import argparse
-import contextlib
-import gc
-import statistics
-import time
-import warnings
+import argparse, contextlib, gc, math, statistics, time, warnings
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import checkpoints
 import zero
@@ -100,35 +95,25 @@ def parallelize(model, args, device):
     returns (model to call, optimizer)."""
     if args.stage < 2:  # DDP needs the whole model on every rank: allocate and initialize it
         materialize(model, args, device)
-    if args.stage == 0:  # zero.DataParallel
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
         net = DDP(model, gradient_as_bucket_view=True)
-        return net, zero.adamw(args)(model.parameters())
-
-    if args.stage == 1:  # zero.ZeRO1
-        net = DDP(model, gradient_as_bucket_view=True)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                            lr=args.lr, weight_decay=0.1)
-        return net, optimizer
+        if args.stage == 0:  # zero.DataParallel
+            return net, zero.adamw(args)(model.parameters())
+        return net, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=args.lr, weight_decay=0.1)  # zero.ZeRO1
 
     # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root,
     # on the meta device: fully_shard only records shapes there, and to_empty() (materialize)
     # then allocates each rank's shards and nothing more
-    if args.bf16:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp_policy = MixedPrecisionPolicy()
-    reshard = args.stage == 3
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if args.bf16 else MixedPrecisionPolicy())
     # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
     # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
     G, world = args.shard_size, dist.get_world_size()
-    mesh = None
-    if G and G < world:
-        mesh = init_device_mesh(device.type, (world // G, G),
-                                mesh_dim_names=("replicate", "shard"))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    mesh = (init_device_mesh(device.type, (world // G, G), mesh_dim_names=("replicate", "shard"))
+            if G and G < world else None)
+    for module in [*model.blocks, model]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=args.stage == 3, mp_policy=mp_policy)
     materialize(model, args, device)
     return model, zero.adamw(args)(model.parameters())
 
@@ -141,8 +126,15 @@ def materialize(model, args, device):
     shards, which draw their random numbers from the same generator state, not from one stream
     over the whole tensor. So rank 0's state_dict is the --init-from file, or the weights that
     zero.wrap(init=GPT.init_weights) gives: the same model, initialized whole in one process."""
-    with swapping_to_empty():
+    # Gotcha: to_empty() gives each module a new Parameter for its meta one, so a parameter that
+    # two modules share (the head tied to the embedding) becomes two. With this switch it swaps
+    # the new tensor's contents into the same Parameter object instead (swap_tensors): ties stay.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
         model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
     torch.manual_seed(args.seed)
     with warnings.catch_warnings():  # on CPU torch warns that DTensor's random init is not
         warnings.filterwarnings("ignore", message="DTensor random operators")  # one stream:
@@ -150,12 +142,9 @@ def materialize(model, args, device):
     full = {}
     if dist.get_rank() == 0:
         if args.init_from:
-            full = zero.read_state_dict(args.init_from)
-        else:
-            with torch.device("meta"):
-                whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
-            with swapping_to_empty():
-                whole.to_empty(device="cpu")
+            full = checkpoints.read_state_dict(args.init_from)
+        else:  # built whole on the CPU (its constructor draws an init), then seeded again
+            whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
             torch.manual_seed(args.seed)
             whole.apply(zero.GPT.init_weights)
             full = whole.state_dict()
@@ -163,28 +152,14 @@ def materialize(model, args, device):
                                                               broadcast_from_rank0=True))
 
 
-@contextlib.contextmanager
-def swapping_to_empty():
-    # Gotcha: to_empty() gives each module a new Parameter for its meta one, so a parameter that
-    # two modules share (the head tied to the embedding) becomes two. With this switch it swaps
-    # the new tensor's contents into the same Parameter object instead (swap_tensors): ties stay.
-    saved = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(saved)
-
-
-def pytorch(args, world, count_steps=None):
+def pytorch(args, world, count_steps=math.inf):
     """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
     def build(model, device):
         net, optimizer = parallelize(model, args, device)
-        label = f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
         opt = Torch(model, optimizer, world, count_steps, net)
         opt.written = {"stage": args.stage, "world_size": world,
                        "shard_size": args.shard_size or world}  # what complete.json records
-        return net, opt, label
+        return net, opt, f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
     return build
 
 
@@ -193,14 +168,14 @@ def pytorch(args, world, count_steps=None):
 
 class CommCounter(TorchDispatchMode):
     """Counts the bytes of every c10d collective that runs while it is active, at the same ring
-    cost as zero.py's own counter (DataParallel._sent). FSDP2 and ZeroRedundancyOptimizer call
+    cost as zero.py's own counter (Meter.sent). FSDP2 and ZeroRedundancyOptimizer call
     torch.distributed from Python, DDP's reducer from C++, DTensor uses functional collectives;
     all of them go through the dispatcher as ops, and that is where this looks. Not seen: what
     DTensor sends inside its own dispatch (a mode is switched off there), which here is only the
     few bytes of clip_grad_norm_'s norm over FSDP2's sharded gradients."""
 
-    KINDS = [("allreduce", "all_reduce", 2),  # (op name, kind, ring cost x)
-             ("broadcast", "broadcast", 1),
+    # (op name, kind, ring cost x)
+    KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),
              ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1),
              ("reduce", "reduce", 1), ("alltoall", "all_to_all", 1)]
 
@@ -218,7 +193,7 @@ class CommCounter(TorchDispatchMode):
         for key, kind, times in self.KINDS if func.namespace == "c10d" or functional else []:
             if name.startswith(key):  # "reducescatter" is matched before "reduce"
                 arg = 1 if key == "reducescatter" and not functional else 0
-                full = sum(t.numel() * t.element_size() for t in _flat(args[arg]))
+                full = sum(t.numel() * t.element_size() for t in tree_leaves(args[arg]))
                 ranks = _group_ranks(args) or range(self.world)  # the ring: the group's ranks
                 n = len(ranks)
                 full *= n if key == "allgather" and functional else 1
@@ -244,11 +219,6 @@ def _group_ranks(args):
                 return dist.get_process_group_ranks(group)
             except (KeyError, ValueError, RuntimeError):  # not a group this process knows by name
                 return list(range(group.size()))
-    return None
-
-
-def _flat(x):
-    return [t for item in x for t in _flat(item)] if isinstance(x, (list, tuple)) else [x]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,43 +232,34 @@ class Torch:
     """A PyTorch model and optimizer behind the interface zero.train measures (step, zero_grad,
     clip_grad_norm_, memory_breakdown, full_state_dict, comm): the same measurements for both."""
 
-    def __init__(self, model, optimizer, world, count_steps=None, net=None):
-        self.model, self.optimizer, self.world, self.net = model, optimizer, world, net
+    def __init__(self, model, optimizer, world, count_steps=math.inf, net=None):
+        self.model, self.optimizer, self.world = model, optimizer, world
+        self.step, self.zero_grad = optimizer.step, optimizer.zero_grad  # torch's own
+        # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2, 3
+        self.no_sync = net.no_sync if isinstance(net, DDP) else contextlib.nullcontext
         self.device = next(model.parameters()).device
         self.count_steps = count_steps  # --bench counts only the first step: the mode costs time
         # DTensor parameters: numel() is the global count
         self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.comm = Counter()
-        self.peak = {}  # the transient buffers live inside PyTorch's internals: not measured
+        # (no self.peak, which zero.train reads as "not measured": the transient buffers live
+        # inside PyTorch's internals)
 
     def counting(self):
-        if self.count_steps is not None:
-            self.count_steps -= 1
-            if self.count_steps < 0:
-                return contextlib.nullcontext()
-        return CommCounter(self.world, self.comm)
+        self.count_steps -= 1
+        return (CommCounter(self.world, self.comm) if self.count_steps >= 0
+                else contextlib.nullcontext())
 
     def clip_grad_norm_(self, max_norm):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: a DTensor norm
 
-    def no_sync(self):
-        # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2, 3
-        return self.net.no_sync() if isinstance(self.net, DDP) else contextlib.nullcontext()
-
-    def step(self):
-        self.optimizer.step()
-
-    def zero_grad(self):
-        self.optimizer.zero_grad()
-
     def memory_breakdown(self):
         """Bytes this rank holds, from the local shards of DTensors, as zero.py measures its own."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         # ZeroRedundancyOptimizer: its local optimizer holds this rank's state
-        local_optimizer = getattr(self.optimizer, "optim", self.optimizer)
-        state = [v for s in local_optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v)]
+        local = getattr(self.optimizer, "optim", self.optimizer)
+        state = [v for s in local.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"params": zero._nbytes([_local(p) for p in params]),
                 "grads": zero._nbytes([_local(p.grad) for p in params if p.grad is not None]),
                 "optimizer": zero._nbytes([_local(v) for v in state])}
@@ -310,40 +271,36 @@ class Torch:
     # Checkpoints (FSDP2 only), through torch.distributed.checkpoint's state_dict API: each rank's
     # DTensor shards in, each rank's DTensor shards out, keyed by the model's names.
 
+    def _state(self):
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
     def save_checkpoint(self, root, step, extra=None):
-        """checkpoints.save_checkpoint's counterpart: DCP, as torchtitan writes it (checkpoints.save_dcp)."""
-        state = {"model": get_model_state_dict(self.model),
-                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        """checkpoints.save_checkpoint's counterpart: DCP, as torchtitan writes it
+        (checkpoints.save_dcp)."""
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        checkpoints.save_dcp(state, root, step, {**self.written, "optimizer": "AdamW", "hyper": hyper,
-                                          "extra": extra or {}}, self.device)
+        info = {**self.written, "optimizer": "AdamW", "hyper": hyper, "extra": extra or {}}
+        checkpoints.save_dcp(self._state(), root, step, info, self.device)
 
     def load_checkpoint(self, path):
-        """checkpoints.load_checkpoint's counterpart: FSDP2 continues a DCP checkpoint, or zero.py's
-        own, of any stage and world size. Returns its step, stage, N and extra."""
-        error = ""
-        try:
+        """checkpoints.load_checkpoint's counterpart: FSDP2 continues a DCP checkpoint, or
+        zero.py's own, of any stage and world size. Returns its step, stage, N and extra."""
+        with checkpoints._agreed(self.device):  # every rank's error on every rank, before a change
             if checkpoints.is_dcp(path):
                 info, tensors = checkpoints.read_dcp(path)
                 checkpoints.check_dcp(self.model, self.optimizer, info, tensors, path)
             else:
-                info, parts = checkpoints.read_checkpoint(path, verify=range(dist.get_rank(), 1 << 30,
-                                                                      self.world))
+                verify = range(dist.get_rank(), 1 << 30, self.world)  # rank r: files r, r+N, ...
+                info, parts = checkpoints.read_checkpoint(path, verify=verify)
                 here = {k: list(t.shape) for k, t in self.model.state_dict().items()}
                 shapes = {n: s for unit in info["units"] for n, s in unit}
                 checkpoints.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
-                                          for k, n in info["keys"]})
+                                                 for k, n in info["keys"]})
                 if info["optimizer"] != "AdamW":
                     raise checkpoints.CheckpointError(f"checkpoint was written with optimizer "
-                                               f"{info['optimizer']}, this run has AdamW")
-        except checkpoints.CheckpointError as e:
-            error = str(e)
-        error = checkpoints._first_error(error[:500], self.device)  # every rank, before any change
-        if error:
-            raise checkpoints.CheckpointError(error)
-        if checkpoints.is_dcp(path):  # torch's own way: the state_dict as a template, filled in place
-            state = {"model": get_model_state_dict(self.model),
-                     "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+                                                      f"{info['optimizer']}, this run has AdamW")
+        if checkpoints.is_dcp(path):
+            state = self._state()  # torch's own way: the state_dict as a template, filled in place
             dcp.load(state, checkpoint_id=path)
             set_model_state_dict(self.model, state["model"])
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
@@ -353,9 +310,9 @@ class Torch:
 
     def _load_zero(self, manifest, parts):
         """zero.py's checkpoint into FSDP2: each parameter, and each of its Adam states, whole
-        from the memory-mapped parts (checkpoints.checkpoint_tensors), one at a time, then cut into
-        this rank's DTensor shard by distribute_tensor (src_data_rank=None: every rank holds the
-        same tensor, so nothing is sent); then torch's set_*_state_dict, sharded."""
+        from the memory-mapped parts (checkpoints.checkpoint_tensors), one at a time, then cut
+        into this rank's DTensor shard by distribute_tensor (src_data_rank=None: every rank holds
+        the same tensor, so nothing is sent); then torch's set_*_state_dict, sharded."""
         params = dict(self.model.named_parameters())
 
         def shard(name, full):
@@ -367,30 +324,19 @@ class Torch:
         for key in checkpoints.checkpoint_state_keys(parts):  # Adam's exp_avg, exp_avg_sq
             for n, t in checkpoints.checkpoint_tensors(manifest, parts, key):
                 state[n][key] = shard(n, t)
-        scalars = checkpoints.checkpoint_scalars(manifest, parts)  # Adam's step count, per parameter
+        scalars = checkpoints.checkpoint_scalars(manifest, parts)  # Adam's step counts
         state = {n: {**st, **scalars[n]} for n, st in state.items() if n in scalars}
         frozen = parts[0]["replicated"]  # frozen parameters and buffers: rank 0's part holds them
         set_model_state_dict(self.model, {k: weights[n] if n in weights else frozen[n]
                                           for k, n in manifest["keys"]})
         if state:  # (none: the optimizer never stepped, and starts fresh)
-            hyper = parts[0]["hyper"]
-            groups = [{**h, "params": list(params)} for h in hyper]
+            groups = [{**h, "params": list(params)} for h in parts[0]["hyper"]]
             set_optimizer_state_dict(self.model, self.optimizer,
                                      {"state": state, "param_groups": groups})
 
 
 # ----------------------------------------------------------------------------------------------
 # --compare: PyTorch's run, then zero.py's, in the same processes
-
-def zero_counted(args, world, seen):
-    """build() for zero.train: zero.py's own stage, also counted at the dispatcher into `seen`,
-    as a check that both counters agree."""
-    def build(model, device):
-        model, opt, label = zero.zero_build(args)(model, device)
-        opt.counting = lambda: CommCounter(world, seen)
-        return model, opt, label
-    return build
-
 
 def compare(args, keep_params=False):
     """PyTorch's run, then zero.py's in the same processes; returns both results."""
@@ -399,7 +345,14 @@ def compare(args, keep_params=False):
     zero.report(theirs, args)
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
     seen = Counter()
-    ours = zero.train(args, zero_counted(args, world, seen), keep_params)
+
+    def counted(model, device):
+        # build() for zero.train: zero.py's own stage, also counted at the dispatcher into
+        # `seen`, as a check that both counters agree
+        model, opt, label = zero.zero_build(args)(model, device)
+        opt.counting = lambda: CommCounter(world, seen)
+        return model, opt, label
+    ours = zero.train(args, counted, keep_params)
     zero.report(ours, args)
     ours["comm_seen"] = {k: v / args.steps for k, v in seen.items()}
     return theirs, ours
@@ -419,23 +372,21 @@ def print_comparison(theirs, ours, args):
         log(f"  largest parameter difference after {args.steps} steps {diff:.2e}")
     log(f"\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14} {'zero.py':>14} "
         f"{'zero.py / PyTorch':>18}")
-    rows = [(f"{k} bytes", theirs["mem"][k], ours["mem"][k])
-            for k in ("params", "grads", "optimizer")]
-    rows.append(("model state bytes", sum(theirs["mem"].values()), sum(ours["mem"].values())))
-    rows.append(("bytes sent per step", sum(theirs["comm"].values()), sum(ours["comm"].values())))
-    rows.append(("median step time, ms", statistics.median(theirs["times"]) * 1e3,
-                 statistics.median(ours["times"]) * 1e3))
-    if ours["cuda_peak"]:
-        rows.append(("cuda max_memory_allocated", max(theirs["cuda_peak"]),
-                     max(ours["cuda_peak"])))
-    for name, a, b in rows:
+
+    def column(res):  # one run's numbers, in the order of `names`
+        return [*(res["mem"][k] for k in ("params", "grads", "optimizer")),
+                sum(res["mem"].values()), sum(res["comm"].values()),
+                statistics.median(res["times"]) * 1e3,
+                *([max(res["cuda_peak"])] if ours["cuda_peak"] else [])]  # (on CUDA only)
+    names = ["params bytes", "grads bytes", "optimizer bytes", "model state bytes",
+             "bytes sent per step", "median step time, ms", "cuda max_memory_allocated"]
+    for name, a, b in zip(names, column(theirs), column(ours)):
         log(f"  {name:<34} {a:>14,.1f} {b:>14,.1f} {b / a if a else float('nan'):>18.3f}")
     log(f"  (bytes sent: PyTorch's counted at the dispatcher, zero.py's by itself; the dispatcher "
         f"saw {sum(ours['comm_seen'].values()):,.1f} for zero.py)")
-    if ours["cuda_peak"]:
-        for name, res in (("PyTorch", theirs), ("zero.py", ours)):
-            log(f"  torch.cuda.max_memory_allocated per rank, {name}: "
-                + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
+    for name, res in (("PyTorch", theirs), ("zero.py", ours)) if ours["cuda_peak"] else ():
+        log(f"  torch.cuda.max_memory_allocated per rank, {name}: "
+            + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
     if args.stage == 2:
         log("  (stage 2: FSDP2 keeps parameters sharded between steps, zero.py keeps them whole: "
             "see the docstring)")
@@ -455,16 +406,26 @@ def bench(args):
     are counted (PyTorch's at the dispatcher: that mode slows what it watches), so no timed step
     is counted and no counted step is timed. Printed only; the tests never assert a timing."""
     _, world, device = zero.setup(args.backend, args.device, args.timeout)
-    # On CUDA a collective returns once queued: the clock is read when the GPU is done with it
-    done = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    steps = max(args.steps, 2)  # the first warms up
+
+    def median_ms(call, repeats):  # call() timed, 1 + repeats times: the first is a warm-up
+        took = []
+        for _ in range(1 + repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            if device.type == "cuda":  # a collective returns once queued: the clock is read
+                torch.cuda.synchronize()  # when the GPU is done with it
+            took.append(time.perf_counter() - t0)
+        return statistics.median(took[1:]) * 1e3
+
     rows = []
     for name, size in BENCH_MODELS:
         for stage in range(4):
             # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2
             # and 3 use the units FSDP2 is given (one per block), so both sides communicate the
             # same pieces.
-            a = argparse.Namespace(**{**vars(args), **size, "stage": stage,
-                                      "steps": max(args.steps, 2),
+            a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": steps,
                                       "bucket_mb": 25 if stage < 2 else args.bucket_mb})
             runs = {"PyTorch": [], "zero.py": []}
             for _ in range(args.repeats):
@@ -480,7 +441,7 @@ def bench(args):
                       f"zero.py / PyTorch = {med['zero.py'] / med['PyTorch']:.3f}")
     log = zero.log0
     log(f"\n--bench: N = {world} ({dist.get_backend()}), fp32 AdamW, {args.repeats} alternating "
-        f"runs x {max(args.steps, 2) - 1} timed steps each; bytes per rank (largest over ranks)")
+        f"runs x {steps - 1} timed steps each; bytes per rank (largest over ranks)")
     log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9}"
         f" {'ratio':>6} {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13}"
         f" {'sent zero':>11} {'formula':>11}")
@@ -494,38 +455,24 @@ def bench(args):
     log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params"
         " + grads + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or"
         " 3Ψ (N-1)/N x 4 bytes")
-    # What the backend charges for each collective on the same bytes: the ZeRO paper's "stage 1
-    # costs what stage 0 costs" (arXiv:1910.02054) assumes reduce-scatter + all-gather =
-    # all-reduce, as ring algorithms give.
     # The cost of zero.py's per-step check that ranks communicated the same units (one all-reduce
     # of 16 bytes per step, zero.check_step_agrees; check_steps=False, --no-step-check: off)
-    check, took = torch.zeros(2, dtype=torch.int64, device=device), []
-    for _ in range(1 + 10 * args.repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(check, op=dist.ReduceOp.MAX)
-        done()
-        took.append(time.perf_counter() - t0)
-    check_ms = statistics.median(took[1:]) * 1e3
+    check = torch.zeros(2, dtype=torch.int64, device=device)
+    check_ms = median_ms(lambda: dist.all_reduce(check, op=dist.ReduceOp.MAX), 10 * args.repeats)
     step_ms = rows[0][3]["zero.py"] * 1e3  # the default model, stage 0
     log(f"per-step check that ranks agree (one 16-byte all_reduce): {check_ms:.3f} ms, "
         f"{100 * check_ms / step_ms:.1f}% of the {rows[0][0]} model's stage-0 step")
-    psi = rows[-1][2]
-    x, times = torch.randn(psi // world * world, device=device), {}
+    # What the backend charges for each collective on the same bytes: the ZeRO paper's "stage 1
+    # costs what stage 0 costs" (arXiv:1910.02054) assumes reduce-scatter + all-gather =
+    # all-reduce, as ring algorithms give.
+    x = torch.randn(rows[-1][2] // world * world, device=device)  # Ψ of the last model
     shard, full = torch.empty(x.numel() // world, device=device), torch.empty_like(x)
-    for name, call in [("all_reduce", lambda: dist.all_reduce(x)),
-                       ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
-                       ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
-                       ("zero.reduce_scatter", lambda: zero.reduce_scatter(shard, x)),
-                       ("zero.all_gather", lambda: zero.all_gather(full, shard))]:
-        took = []
-        for _ in range(1 + args.repeats):  # the first is a warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            call()
-            done()
-            took.append(time.perf_counter() - t0)
-        times[name] = statistics.median(took[1:]) * 1e3
+    times = {name: median_ms(call, args.repeats) for name, call in [
+        ("all_reduce", lambda: dist.all_reduce(x)),
+        ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
+        ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
+        ("zero.reduce_scatter", lambda: zero.reduce_scatter(shard, x)),
+        ("zero.all_gather", lambda: zero.all_gather(full, shard))]}
     ours = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]
     log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 "
         "gradients), median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
@@ -547,22 +494,19 @@ def main(argv=None):
     p.add_argument("--repeats", type=zero.positive(int), default=3,
                    help="--bench: alternating runs per pair")
     args = zero.check_args(p.parse_args(argv))
-    if (args.ckpt_dir or args.resume_from) and (args.stage < 2 or args.bench):
-        raise zero.UsageError("--ckpt-dir and --resume-from are FSDP2's here: stages 2 and 3 "
-                              "only, not --bench")
-    if args.ckpt_dir and args.compare:
+    if args.stage < 2 or args.bench:  # what only FSDP2 (stages 2 and 3) does here
+        for used, what in [(args.ckpt_dir or args.resume_from,
+                            "--ckpt-dir and --resume-from are FSDP2's here"),
+                           (args.bf16, "--bf16 is FSDP2's MixedPrecisionPolicy"),
+                           (args.shard_size, "--shard-size is FSDP2 on a 2-D mesh (HSDP) here")]:
+            if used:
+                raise zero.UsageError(f"{what}: stages 2 and 3 only, not --bench")
+    if args.ckpt_dir and args.compare:  # (at stages 0, 1 or with --bench: refused above)
         raise zero.UsageError("--ckpt-dir is not for --compare: both runs would write there")
-    if args.bf16 and (args.stage < 2 or args.bench):
-        raise zero.UsageError("--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 only, "
-                              "not --bench")
-    if args.shard_size and (args.stage < 2 or args.bench):
-        raise zero.UsageError("--shard-size is FSDP2 on a 2-D mesh (HSDP) here: stages 2 and 3 "
-                              "only, not --bench")
     if args.bench:
         bench(args)
     elif args.compare:
-        theirs, ours = compare(args, keep_params=True)
-        print_comparison(theirs, ours, args)
+        print_comparison(*compare(args, keep_params=True), args)
     else:
         world = zero.setup(args.backend, args.device, args.timeout)[1]
         zero.report(zero.train(args, pytorch(args, world)), args)

@@ -12,8 +12,9 @@ Each mistake is a diff of the right code, short enough to read. A mistake in the
 subclass of one of zero.py's stage classes that overrides one method, the wrong line marked
 `# WRONG`, exactly as the stages themselves are diffs of each other (class LateReduceScatter(
 zero.ZeRO2) reduces in step() what ZeRO2 reduces during backward). A mistake in the training
-loop is the few lines of the loop that differ, the wrong one marked the same way. Nothing is
-simulated: every number below comes from running the wrong code and the right code.
+loop is what differs in the loop (its own lines for the loss, handed to the right loop, train(),
+or the line it leaves out), the wrong one marked the same way. Nothing is simulated: every
+number below comes from running the wrong code and the right code.
 
 How to read a row (from a run at N = 4):
 
@@ -48,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import contextlib, dataclasses, functools, io, json, os, textwrap, time
+import collections, contextlib, functools, io, json, os, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -115,8 +116,14 @@ def rows(rank):
     return slice(rank * ROWS, (rank + 1) * ROWS)
 
 
-def loss_of(model, x, y):  # the mean over the tokens given (targets -100 do not count)
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+def loss_of(model, x, y, reduction="mean"):  # over the tokens given (targets -100 do not count)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
+                           reduction=reduction)
+
+
+def rank_mean(model, x, y):  # the loss of the loop: the mean over this rank's rows of the batch
+    mine = rows(dist.get_rank())
+    return loss_of(model, x[mine], y[mine])
 
 
 def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows)
@@ -125,42 +132,52 @@ def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (
     return t.item() / dist.get_world_size()
 
 
-def train(model, opt, steps, clip=None, accum=1):
+def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True):
     """The right loop (zero.py's interface), for every mistake in the algorithm: this rank's
-    rows, backward (all micro-batches but the last under no_sync()), clip, step, zero_grad.
-    Returns the loss of the global batch at each step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rows, backward (all micro-batches but the last under no_sync()), clip, step, zero_grad. A
+    mistake in the loop hands in its own lines, loss(model, x, y) of the global batch (x, y),
+    or leaves out zero_grad (zero_grad=False). Returns the loss of the global batch at each
+    step."""
     losses = []
     for step in range(steps):
         total = 0.0
         for micro in range(accum):
-            x, y = batch(step, world, micro)
+            x, y = batch(step, dist.get_world_size(), micro, masked)
             with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                loss = loss_of(model, x[rows(rank)], y[rows(rank)]) / accum
-                loss.backward()
-            total += mean_over_ranks(loss)
+                mine = loss(model, x, y) / accum
+                mine.backward()
+            total += mean_over_ranks(mine)
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
-        opt.zero_grad()
+        if zero_grad:
+            opt.zero_grad()
         losses.append(total)
     return losses
 
 
+def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=rank_mean,
+            masked=False, zero_grad=True, **options):
+    """A fresh model (the same weights every time) and its optimizer cls(model, optimizer,
+    **options), trained for `steps`: (model, opt, the losses)."""
+    model = build(dtype=dtype)
+    opt = cls(model, optimizer, **options)
+    return model, opt, train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+
+
 @functools.lru_cache(maxsize=None)
-def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=None,
-              dtype=DTYPE):
+def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
     """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
     model, a plain torch optimizer. Returns (the loss at each step, {name: parameter})."""
     model = build(dtype=dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = OPTIMIZERS[optimizer](params)
+    keep = rows(only) if only is not None else slice(None)
     losses = []
     for step in range(steps):
         total = 0.0
         for micro in range(accum):
             x, y = batch(step, world, micro, masked)
-            keep = rows(only) if only is not None else slice(None)
             loss = loss_of(model, x[keep], y[keep]) / accum
             loss.backward()
             total += loss.item()
@@ -190,18 +207,40 @@ def spread(model):
     """The replicas: the largest difference between two ranks' copies of one parameter, the
     values each rank computes with (stages 0-2 keep whole parameters). 0: the ranks agree."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    every = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype)
-    zero.all_gather(every, mine)  # [N * numel]: every rank's copy
-    every = every.view(dist.get_world_size(), -1)
-    return (every.max(0).values - every.min(0).values).max().item()
+    every = torch.empty(dist.get_world_size(), mine.numel(), dtype=mine.dtype)
+    zero.all_gather(every.view(-1), mine)  # [N, numel]: every rank's copy
+    return (every.amax(0) - every.amin(0)).max().item()
 
 
-def formula(stage, psi, kind):  # fp64 AdamW: 8 bytes a parameter, 8 a gradient, 16 of m and v
-    return zero.memory_formula(stage, psi, dist.get_world_size(), 8, 8, 16)[kind]
+def peak_bytes(variants, kind, steps, accum=1):
+    """Each variant's (name, cls) peak bytes of `kind` (zero.py's Meter, opt.peak) and its
+    distance to the reference (detail: both train right); the note: the formula's bytes, at the
+    stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8 bytes
+    a parameter, 8 a gradient, 16 of m and v)."""
+    _, ref = reference("adamw", dist.get_world_size(), steps, accum=accum)
+    out = {}
+    for name, cls in variants:
+        opt = trained(cls, steps, accum=accum)[1]
+        out[name], out[name + "_distance"] = opt.peak[kind], distance(opt, ref)
+    (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
+    formula = {s: zero.memory_formula(s, opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
+               for s in (stage, fallen)}
+    out["note"] = (f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units {extra}),"
+                   f" stage {fallen} {formula[fallen]:,.0f} B")
+    out["detail"] = [f"trains right all the same: distance to the reference "
+                     f"{out['wrong_distance']:.1e} (right {out['right_distance']:.1e})"]
+    return out
 
 
 def first_line(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+
+
+def outcome(run):  # run()'s number, or the error it raised: the mistake's, or zero.py's guard's
+    try:
+        return run()
+    except RuntimeError as e:
+        return first_line(e)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,23 +248,15 @@ def first_line(e):
 # which it applies), why it breaks (at most three lines) and the place in zero.py that gets it
 # right. Its function runs the wrong code and the right code and returns both numbers.
 
-@dataclasses.dataclass
-class Mistake:
-    name: str
-    stages: str   # where the mistake applies
-    stage: int    # the stage it runs at here
-    measure: str  # what the numbers are
-    why: str
-    where: str    # the zero.py function or method that gets it right
-    run: callable
-
-
+# stages: where the mistake applies; stage: the stage it runs at here; measure: what the numbers
+# are; where: the zero.py function or method that gets it right
+Mistake = collections.namedtuple("Mistake", "name stages stage measure where why run")
 MISTAKES = {}
 
 
 def mistake(name, stages, stage, measure, where, why):
     def register(fn):
-        MISTAKES[name] = Mistake(name, stages, stage, measure, why, where, fn)
+        MISTAKES[name] = Mistake(name, stages, stage, measure, where, why, fn)
         return fn
     return register
 
@@ -244,17 +275,14 @@ class NoDivide(zero.ZeRO1):
 
 def no_divide(optimizer, steps):
     ref_losses, ref = reference(optimizer, dist.get_world_size(), steps)
-    out = {}
+    out, losses = {}, {"reference": ref_losses}
     for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
-        model = build()
-        opt = cls(model, OPTIMIZERS[optimizer])  # as zero.wrap(model, 1, ...) builds it
-        out[name + "_losses"] = losses = train(model, opt, steps)
-        out[name] = loss_gap(losses, ref_losses)
+        # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
+        _, opt, losses[name] = trained(cls, steps, OPTIMIZERS[optimizer])
+        out[name], out[name + "_losses"] = loss_gap(losses[name], ref_losses), losses[name]
         out[name + "_distance"] = distance(opt, ref)
     out["detail"] = [f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
-                     for label, values in [("reference", ref_losses),
-                                           ("wrong", out["wrong_losses"]),
-                                           ("right", out["right_losses"])]]
+                     for label, values in losses.items()]
     out["detail"] += [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
                       f"right {out['right_distance']:.2e}"]
     return out
@@ -290,32 +318,12 @@ class NoSyncKeepsGradients(zero.ZeRO2):
         return self._sync  # WRONG: under no_sync() the full [N*S] gradient stays until later
 
 
-def peak_grads(cls, steps, accum, optimizer="adamw"):
-    model = build()
-    opt = cls(model, OPTIMIZERS[optimizer])
-    train(model, opt, steps, accum=accum)
-    return opt, opt.peak["grads"]
-
-
 @mistake("late-reduce-scatter", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
          "Reduce-scattered after backward, every unit's full gradient is held at once: the peak\n"
          "is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.")
 def late_reduce_scatter(quick):
-    steps = 2 if quick else 3
-    _, ref = reference("adamw", dist.get_world_size(), steps)
-    wrong, out_wrong = peak_grads(LateReduceScatter, steps, 1)
-    right, out_right = peak_grads(zero.ZeRO2, steps, 1)
-    psi = right.psi
-    return {"wrong": out_wrong, "right": out_right,
-            "wrong_distance": distance(wrong, ref), "right_distance": distance(right, ref),
-            "note": grads_formula(psi),
-            "detail": [f"trains right all the same: distance to the reference "
-                       f"{distance(wrong, ref):.1e} (right {distance(right, ref):.1e})"]}
-
-
-def grads_formula(psi):
-    return (f"formula, grads: stage 2 {formula(2, psi, 'grads'):,.0f} B (+ the units in flight),"
-            f" stage 1 {formula(1, psi, 'grads'):,.0f} B")
+    return peak_bytes([("wrong", LateReduceScatter), ("right", zero.ZeRO2)], "grads",
+                      2 if quick else 3)
 
 
 @mistake("no-sync-stage-2", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
@@ -323,15 +331,11 @@ def grads_formula(psi):
          "stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to\n"
          "add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward.")
 def no_sync_stage_2(quick):
-    steps = 2 if quick else 3
-    _, ref = reference("adamw", dist.get_world_size(), steps, accum=2)
-    wrong, peak_wrong = peak_grads(NoSyncKeepsGradients, steps, 2)
-    right, peak_right = peak_grads(zero.ZeRO2, steps, 2)
-    d_wrong, d_right = distance(wrong, ref), distance(right, ref)
-    return {"wrong": peak_wrong, "right": peak_right, "wrong_distance": d_wrong,
-            "right_distance": d_right, "note": grads_formula(right.psi),
-            "detail": [f"distance to the reference (2 micro-batches a step): wrong {d_wrong:.2e},"
-                       f" right {d_right:.1e}"]}
+    out = peak_bytes([("wrong", NoSyncKeepsGradients), ("right", zero.ZeRO2)], "grads",
+                     2 if quick else 3, accum=2)
+    out["detail"] = [f"distance to the reference (2 micro-batches a step): wrong "
+                     f"{out['wrong_distance']:.2e}, right {out['right_distance']:.1e}"]
+    return out
 
 
 # --- stage 3: gather what computes ------------------------------------------------------------
@@ -349,36 +353,17 @@ class NoRegather(zero.ZeRO3):
          "Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not\n"
          "gathered again, they are memory given back: an error, or worse, garbage.")
 def no_regather(quick):
-    out = {}
-    for name, cls in [("wrong", NoRegather), ("right", zero.ZeRO3)]:
-        model = build()
-        opt = cls(model, ADAMW)
-        try:
-            out[name] = train(model, opt, 1)[0]  # the loss of the first step, if it gets there
-        except RuntimeError as e:
-            out[name] = first_line(e)
-    return out
+    return {name: outcome(lambda: trained(cls, 1)[2][0])  # the first step's loss, if it gets there
+            for name, cls in [("wrong", NoRegather), ("right", zero.ZeRO3)]}
 
 
 @mistake("one-unit", "3", 3, "peak parameter bytes", "zero.default_units (the blocks)",
          "With units=[] the whole model is one unit: gathered whole before the first module\n"
          "computes. It trains right, and each rank's peak holds every parameter: stage 0's.")
 def one_unit(quick):
-    steps = 2
-    _, ref = reference("adamw", dist.get_world_size(), steps)
-    out, opts = {}, {}
-    for name, units in [("wrong", []), ("right", None)]:
-        model = build()
-        opts[name] = opt = zero.wrap(model, 3, ADAMW, units=units)  # WRONG: units=[]
-        train(model, opt, steps)
-        out[name] = opt.peak["params"]
-        out[name + "_distance"] = distance(opt, ref)
-    psi = opts["right"].psi
-    out["note"] = (f"formula, params: stage 3 {formula(3, psi, 'params'):,.0f} B (+ the units "
-                   f"gathered), stage 0 {formula(0, psi, 'params'):,.0f} B")
-    out["detail"] = [f"trains right all the same: distance to the reference "
-                     f"{out['wrong_distance']:.1e} (right {out['right_distance']:.1e})"]
-    return out
+    # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
+    return peak_bytes([("wrong", functools.partial(zero.ZeRO3, units=[])),  # WRONG: units=[]
+                       ("right", zero.ZeRO3)], "params", 2)
 
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
@@ -392,15 +377,13 @@ def different_seeds(quick):
     out = {}
     for name in ("wrong", "right"):
         model = build(seed=dist.get_rank())  # the mistake: a seed per rank
-        own = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = zero.wrap(model, 0, ADAMW)  # broadcasts rank 0's weights to every rank
         if name == "wrong":
             # The broadcast is a line of DataParallel.__init__, not a method to override: wrap()
             # without it would leave each rank its own weights, which this puts back in place
-            # (at stage 0 a parameter is a view of its unit's flat buffer, what the step steps).
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(own[n])  # WRONG: every rank its own random weights
+            # (at stage 0 a parameter is a view of its unit's flat buffer, what the step steps:
+            # load_state_dict copies into it). WRONG: every rank its own random weights
+            model.load_state_dict(build(seed=dist.get_rank()).state_dict())
         train(model, opt, 2 if quick else STEPS)
         out[name] = spread(model)
     out["guard"] = "wrap() broadcasts rank 0's weights: with it, ranks' seeds do not matter"
@@ -420,14 +403,11 @@ class NoGatherAfterStep(zero.ZeRO1):
          "from rank to rank. The replicas drift apart, and every forward computes with a mix.")
 def no_gather_after_step(quick):
     steps = 3 if quick else STEPS
-    ref_losses, ref = reference("adamw", dist.get_world_size(), steps)
+    ref_losses, _ = reference("adamw", dist.get_world_size(), steps)
     out = {}
     for name, cls in [("wrong", NoGatherAfterStep), ("right", zero.ZeRO1)]:
-        model = build()
-        opt = cls(model, ADAMW)
-        losses = train(model, opt, steps)
-        out[name] = spread(model)
-        out[name + "_gap"] = loss_gap(losses, ref_losses)
+        model, _, losses = trained(cls, steps)
+        out[name], out[name + "_gap"] = spread(model), loss_gap(losses, ref_losses)
     out["detail"] = [f"loss gap to the reference, max: wrong {out['wrong_gap']:.2e}, right "
                      f"{out['right_gap']:.1e}"]
     return out
@@ -451,13 +431,8 @@ def local_clip(quick):
     steps = 3 if quick else STEPS
     # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
     _, ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32)
-    out = {}
-    for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]:
-        model = build(dtype=torch.float32)
-        opt = cls(model, SGD)
-        train(model, opt, steps, clip=0.05)
-        out[name] = distance(opt, ref)
-    return out
+    return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05)[1], ref)
+            for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]}
 
 
 class StepsWithoutGradient(zero.DataParallel):
@@ -475,16 +450,12 @@ class StepsWithoutGradient(zero.DataParallel):
          "m and v still move it). torch skips a parameter whose .grad is None; so does zero.py.")
 def step_without_gradient(quick):
     steps = 2 if quick else STEPS
-    out = {}
-    for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]:
-        model = build()
-        before = model.aux.weight.detach().clone()
-        opt = cls(model, ADAMW)
-        train(model, opt, steps)
-        out[name] = (opt.full_state_dict()["aux.weight"] - before).abs().max().item()
+    before = build().aux.weight.detach()  # (every fresh model: the same weights)
+    out = {name: distance(trained(cls, steps)[1], {"aux.weight": before})  # how far it moved
+           for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
     _, ref = reference("adamw", dist.get_world_size(), steps)
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
-                     f"{(ref['aux.weight'] - build().aux.weight).abs().max().item():.1e}"]
+                     f"{(ref['aux.weight'] - before).abs().max().item():.1e}"]
     return out
 
 
@@ -495,22 +466,15 @@ def step_without_gradient(quick):
          "Every rank read rank 0's rows: N times the compute for one rank's batch. It trains\n"
          "exactly like one process on that batch, not like the global batch.")
 def same_batch(quick):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps = 3 if quick else STEPS
+    world, steps = dist.get_world_size(), 3 if quick else STEPS
     _, ref = reference("sgd", world, steps)
     _, ref_one = reference("sgd", world, steps, only=0)  # one process on rank 0's rows alone
     out = {}
-    for name in ("wrong", "right"):
-        model = build()
-        opt = zero.wrap(model, 1, SGD)
-        for step in range(steps):
-            x, y = batch(step, world)
-            mine = rows(0) if name == "wrong" else rows(rank)  # WRONG: rows(0): rank 0's rows
-            loss_of(model, x[mine], y[mine]).backward()
-            opt.step()
-            opt.zero_grad()
-        out[name] = distance(opt, ref)
-        out[name + "_one"] = distance(opt, ref_one)
+    # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
+    for name, loss in [("wrong", lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)])),
+                       ("right", rank_mean)]:
+        opt = trained(zero.ZeRO1, steps, SGD, loss=loss)[1]
+        out[name], out[name + "_one"] = distance(opt, ref), distance(opt, ref_one)
     out["detail"] = [f"distance to one process on rank 0's rows alone: wrong "
                      f"{out['wrong_one']:.1e}, right {out['right_one']:.2e}"]
     return out
@@ -521,27 +485,18 @@ def same_batch(quick):
          "Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short\n"
          "batch more than one of a long batch. Sum the tokens' losses; divide by the global count.")
 def token_mean_per_rank(quick):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps = 3 if quick else STEPS
+    world, steps = dist.get_world_size(), 3 if quick else STEPS
     _, ref = reference("sgd", world, steps, masked=True)  # the mean over every token
-    out = {}
-    for name in ("wrong", "right"):
-        model = build()
-        opt = zero.wrap(model, 1, SGD)
-        for step in range(steps):
-            x, y = batch(step, world, masked=True)
-            x, y = x[rows(rank)], y[rows(rank)]
-            if name == "wrong":
-                loss = loss_of(model, x, y)  # WRONG: the mean over this rank's tokens
-            else:  # the sum over this rank's tokens / the global count; x N: zero.py divides by N
-                tokens = torch.tensor(float((y != -100).sum()), dtype=DTYPE)
-                dist.all_reduce(tokens)
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
-                                       reduction="sum") * world / tokens
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        out[name] = distance(opt, ref)
+
+    def token_sum(model, x, y):  # the sum over this rank's tokens / the global count; x N:
+        x, y = x[rows(dist.get_rank())], y[rows(dist.get_rank())]  # zero.py divides by N
+        tokens = torch.tensor(float((y != -100).sum()), dtype=DTYPE)
+        dist.all_reduce(tokens)
+        return loss_of(model, x, y, reduction="sum") * world / tokens
+
+    # WRONG: rank_mean, the loop's loss: the mean over this rank's tokens
+    out = {name: distance(trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True)[1], ref)
+           for name, loss in [("wrong", rank_mean), ("right", token_sum)]}
     counts = [int((batch(0, world, masked=True)[1][rows(r)] != -100).sum()) for r in range(world)]
     out["detail"] = [f"tokens per rank: {counts}"]
     return out
@@ -554,13 +509,9 @@ def token_mean_per_rank(quick):
 def bf16_reduce(quick):
     steps = 3 if quick else STEPS
     _, ref = reference("adamw", dist.get_world_size(), steps)
-    out = {}
-    for name, dtype in [("wrong", torch.bfloat16), ("right", None)]:
-        model = build()
-        opt = zero.wrap(model, 2, ADAMW, reduce_dtype=dtype)  # WRONG: reduce_dtype=torch.bfloat16
-        train(model, opt, steps)
-        out[name] = distance(opt, ref)
-    return out
+    # (zero.ZeRO2(model, ...) as zero.wrap(model, 2, ...) builds it)
+    return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype)[1], ref)
+            for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
 
 
 @mistake("optimizer-before-wrap", "1-3", 2, "how far the parameters moved",
@@ -568,24 +519,17 @@ def bf16_reduce(quick):
          "A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is\n"
          "None (each unit's gradient is reduced into this rank's shard). Nothing trains.")
 def optimizer_before_wrap(quick):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    steps = 2 if quick else 3
+    before = {n: p.detach() for n, p in build().named_parameters()}  # every fresh model's
     out = {}
     for name in ("wrong", "right"):
         model = build()
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
         if name == "wrong":
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)  # WRONG: before wrap()
         opt = zero.wrap(model, 2, ADAMW)
         if name == "right":
             optimizer = opt  # the optimizer wrap() returns: it steps the shards
-        for step in range(steps):
-            x, y = batch(step, world)
-            loss_of(model, x[rows(rank)], y[rows(rank)]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        full = opt.full_state_dict()
-        out[name] = max((full[n] - before[n]).abs().max().item() for n in before)
+        train(model, optimizer, 2 if quick else 3)
+        out[name] = distance(opt, before)
     return out
 
 
@@ -597,19 +541,14 @@ def optimizer_before_wrap(quick):
 def state_dict_at_stage_3(quick):
     out = {}
     for name in ("guard", "wrong", "right"):
-        model = build()
-        opt = zero.wrap(model, 3, ADAMW)
-        train(model, opt, 1)
+        model, opt, _ = trained(zero.ZeRO3, 1)
         full, saved = opt.full_state_dict(), None  # {name: tensor}: the shards gathered
         if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
             for p in model.parameters():
                 p.__class__ = nn.Parameter
         file = io.BytesIO()
-        try:
-            if name == "right":
-                torch.save(full, file)
-            else:
-                torch.save(model.state_dict(), file)  # WRONG: the model's own, at stage 3
+        try:  # WRONG: model.state_dict(), the model's own, at stage 3
+            torch.save(full if name == "right" else model.state_dict(), file)
             saved = file.tell()
             file.seek(0)
             loaded = torch.load(file)
@@ -626,20 +565,17 @@ def state_dict_at_stage_3(quick):
          "At stage 3 a forward is collectives: each unit is all-gathered before it computes. On\n"
          "rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates.")
 def eval_on_rank_0(quick):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = batch(99, world)
+    x, y = batch(99, dist.get_world_size())
     out = {}
     for name in ("wrong", "right"):
-        model = build()
-        opt = zero.wrap(model, 3, ADAMW)
-        train(model, opt, 1)
+        model, opt, _ = trained(zero.ZeRO3, 1)
         # A group of its own with a short timeout (made by every rank, as new_group must be), so
         # that the wait ends: zero.py's stage 3 runs its collectives on opt.group.
-        group = dist.new_group(timeout=timedelta(seconds=1 if quick else HANG_S))
-        opt.group = group
+        opt.group = dist.new_group(timeout=timedelta(seconds=1 if quick else HANG_S))
         start = time.perf_counter()
         try:
-            if name == "right" or rank == 0:  # WRONG: `if rank == 0:` evaluates on rank 0 alone
+            # WRONG: `if rank == 0:` evaluates on rank 0 alone
+            if name == "right" or dist.get_rank() == 0:
                 with torch.no_grad():
                     out[name] = mean_over_ranks(loss_of(model, x, y)) if name == "right" else \
                         loss_of(model, x, y).item()
@@ -648,7 +584,7 @@ def eval_on_rank_0(quick):
             out[name] = (f"hang: rank 0 waited in an all-gather no other rank made, ended by the "
                          f"group's timeout after {time.perf_counter() - start:.1f} s ({said})")
         out.setdefault(name, "(rank 0 evaluated alone)")
-        dist.barrier()  # every rank back in step, on the default group; `group` is abandoned
+        dist.barrier()  # every rank back in step, on the default group; opt.group is abandoned
         # (the wrong run's ZeRO3 is left half-gathered on rank 0: not used again)
     return out
 
@@ -672,17 +608,10 @@ class OtherOrder(zero.DataParallel):
          "fails. zero.py fingerprints what each rank reduced, and stops the step if they differ.")
 def units_out_of_order(quick):
     steps = 2 if quick else 3
-    out = {}
-    for name, cls, check in [("guard", OtherOrder, True), ("wrong", OtherOrder, False),
-                             ("right", zero.DataParallel, True)]:
-        model = build()
-        opt = cls(model, ADAMW, overlap=False, check_steps=check)  # wrong: check_steps=False
-        try:
-            train(model, opt, steps)
-            out[name] = spread(model)
-        except RuntimeError as e:
-            out[name] = first_line(e)
-    return out
+    return {name: outcome(lambda: spread(trained(cls, steps, overlap=False, check_steps=check)[0]))
+            for name, cls, check in [("guard", OtherOrder, True),
+                                     ("wrong", OtherOrder, False),  # wrong: check_steps=False
+                                     ("right", zero.DataParallel, True)]}
 
 
 class NoBackwardAfterStepCheck(zero.ZeRO1):
@@ -697,24 +626,14 @@ class NoBackwardAfterStepCheck(zero.ZeRO1):
          "Without zero_grad() each backward adds to the last step's averaged gradient, which\n"
          "keeps pushing: every past step is applied again. zero.py refuses that backward.")
 def no_zero_grad(quick):
-    rank, world = dist.get_rank(), dist.get_world_size()
     steps = 3 if quick else STEPS
-    _, ref = reference("sgd", world, steps)
+    _, ref = reference("sgd", dist.get_world_size(), steps)
     out = {}
     for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
                       ("right", zero.ZeRO1)]:
-        model = build()
-        opt = cls(model, SGD)
-        try:
-            for step in range(steps):
-                x, y = batch(step, world)
-                loss_of(model, x[rows(rank)], y[rows(rank)]).backward()
-                opt.step()
-                if name == "right":
-                    opt.zero_grad()  # WRONG: the other two leave this line out
-            out[name] = distance(opt, ref)
-        except RuntimeError as e:
-            out[name] = first_line(e)
+        # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
+        run = functools.partial(trained, cls, steps, SGD, zero_grad=name == "right")
+        out[name] = outcome(lambda: distance(run()[1], ref))
     return out
 
 
@@ -733,21 +652,12 @@ def row(m, res, detail):
     hang's line, what the guard says, a formula, why, and where zero.py gets it right."""
     lines = [f"{m.name:<22} {m.stage:>5}  {m.measure:<37} {shown(res['wrong']):>12} "
              f"{shown(res['right']):>12}"]
-    said = [(key, res[key]) for key in ("wrong", "right") if isinstance(res[key], str)]
-    said += [("with the guard", res["guard"])] if "guard" in res else []
-    said += [("note", res["note"])] if "note" in res else []
-    for key, text in said:
-        lines += textwrap.wrap(text, 98, initial_indent=f"  {key}: ", subsequent_indent="    ")
-    why = m.why.splitlines()
-    lines += [f"  why: {why[0]}"] + [f"       {w}" for w in why[1:]]
-    lines += [f"  right: {m.where}"]
-    if detail:
-        lines += [f"  {d}" for d in res.get("detail", [])]
-    return lines
-
-
-HEADER = (f"{'mistake':<22} {'stage':>5}  {'measured':<37} {'wrong':>12} {'right':>12}\n"
-          + "-" * 93)
+    said = [(label, res[key]) for key, label in [("wrong", "wrong"), ("right", "right"),
+            ("guard", "with the guard"), ("note", "note")] if isinstance(res.get(key), str)]
+    for label, text in said:
+        lines += textwrap.wrap(text, 98, initial_indent=f"  {label}: ", subsequent_indent="    ")
+    lines += ("  why: " + m.why.replace("\n", "\n       ")).splitlines() + [f"  right: {m.where}"]
+    return lines + ([f"  {d}" for d in res.get("detail", [])] if detail else [])
 
 
 def parser():
@@ -796,17 +706,16 @@ def main(argv=None):
         return
     what = f"{len(results)} mistake{'s' * (len(results) > 1)}"
     print(f"{what} at N = {world} ranks (gloo, CPU, float64), each beside the right code;\n"
-          "reference: one process, plain torch, on the global batch\n")
-    print(HEADER)
+          "reference: one process, plain torch, on the global batch\n\n"
+          f"{'mistake':<22} {'stage':>5}  {'measured':<37} {'wrong':>12} {'right':>12}\n{'-' * 93}")
     for name, res in results.items():
         print("\n".join(row(MISTAKES[name], res, detail=bool(args.names))))
     print(f"\nwall time: {time.perf_counter() - start:.1f} s")
     if args.json:
-        rows = [dict(name=n, stages=MISTAKES[n].stages, stage=MISTAKES[n].stage,
-                     measure=MISTAKES[n].measure, wrong=r["wrong"], right=r["right"],
-                     why=" ".join(MISTAKES[n].why.splitlines()), where=MISTAKES[n].where,
-                     **({"guard": r["guard"]} if "guard" in r else {}),
-                     detail=r.get("detail", [])) for n, r in results.items()]
+        rows = [dict(name=n, stages=m.stages, stage=m.stage, measure=m.measure, wrong=r["wrong"],
+                     right=r["right"], why=" ".join(m.why.splitlines()), where=m.where,
+                     **({"guard": r["guard"]} if "guard" in r else {}), detail=r.get("detail", []))
+                for n, r in results.items() for m in [MISTAKES[n]]]
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -78,9 +78,9 @@ def resumed(rank, world):
         opt.load_state_dict(own)
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS - 1, start=1)
         own_resumed = opt.full_state_dict()
-        try:  # another rank's part, or another stage's, is refused
-            opt.load_state_dict(dict(own, rank=(rank + 1) % world) if world > 1 else
-                                dict(own, layout=dict(own["layout"], stage=stage - 1)))
+        try:  # another rank's part (given to the last rank only: every rank refuses), or stage's
+            opt.load_state_dict(dict(own, rank=0) if world > 1 and rank == world - 1 else own
+                                if world > 1 else dict(own, layout=dict(own["layout"], stage=stage - 1)))
             refused = None
         except checkpoints.CheckpointError as e:
             refused = str(e)
@@ -717,7 +717,7 @@ def test_a_dcp_checkpoint_saved_again_takes_its_name_in_one_step(tmp_path, monke
         seen.append(open(os.path.join(old, "__0_0.distcp")).read())
         exchange(new, old)
     monkeypatch.setattr(checkpoints, "_exchange", watched)
-    checkpoints._commit_dcp(tmp, path, {"step": 3})
+    checkpoints._commit(tmp, path, checkpoints.DCP_MARKER, {"step": 3})
     assert seen == ["old"] and os.listdir(tmp_path) == ["step_00000003"]
     assert open(os.path.join(path, "__0_0.distcp")).read() == "new"
     assert json.load(open(os.path.join(path, checkpoints.DCP_MARKER)))["step"] == 3
@@ -792,3 +792,18 @@ def test_the_manifest_is_data(abused, tmp_path):
         with pytest.raises(zero.UsageError, match="cannot be written"):
             checkpoints.consolidate(source, str(out), "pt")
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_dcps_own_errors_are_one_line(one_rank, tmp_path, monkeypatch):
+    # torch's DCP raises CheckpointException, a BaseException, for what failed on any rank: it is
+    # caught by name, as any other error, or one rank would die alone while the others wait
+    import traceback
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def fails(*args, **kwargs):
+        raise CheckpointException("save", {0: (ValueError("no such key"), traceback.extract_stack())})
+    monkeypatch.setattr(dcp, "save", fails)
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"^step 1 not saved: rank 0: .*: ValueError: no such key; the checkpoints"):
+        checkpoints.save_dcp({"x": torch.zeros(2)}, str(tmp_path), 1, {}, torch.device("cpu"))

@@ -559,17 +559,14 @@ def wrap(model, stage, optimizer, **options):
 
 
 # =================================== PART II: THE ENGINEERING =================================
-# Each section serves Part I through the calls named there (Python resolves a name when the call
-# runs, so a class above uses a function defined here); then the demo, its loop, its report.
+# Each section serves Part I through the calls named there; then the demo, its loop, its report.
 
 # ----------------------------------------------------------------------------------------------
 # Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
 
 def setup(backend=None, device=None, timeout_s=600):
-    """Join the process group torchrun describes, or make a group of one without torchrun; one
-    that is up already (a user's own, a test pool's) is used as it is, its backend deciding the
-    device. Default: NCCL when every local rank has a GPU of its own, else gloo on CPU tensors
-    (choose_device). Returns (rank, world_size, this rank's device)."""
+    """Join torchrun's process group, or without torchrun make a group of one; one that is up
+    already is used, its backend deciding the device. Returns (rank, world_size, device)."""
     if dist.is_initialized():
         if backend not in (None, dist.get_backend()):
             raise UsageError(f"--backend {backend}, but the process group is {dist.get_backend()}")
@@ -579,9 +576,8 @@ def setup(backend=None, device=None, timeout_s=600):
                 "cuda", torch.cuda.current_device())
     backend, dev = choose_device(backend, device)
     if not dist.is_initialized():
-        # NCCL: a collective that fails or waits past the timeout raises in wait() (a blocking
-        # wait), as gloo's do: one line. Torch's default lets its watchdog abort the process.
-        # The price: the host waits for each collective it waits for, as on gloo.
+        # NCCL: a collective that fails or times out raises in wait() (a blocking wait), as
+        # gloo's do, where torch's watchdog would abort. The price: the host waits too.
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
@@ -603,12 +599,10 @@ def gpu_each(local_world):
 
 
 def choose_device(backend, device):
-    """setup()'s defaults: NCCL when every local rank has a GPU of its own, else gloo on CPU
-    tensors (said, where GPUs are visible). gloo also works with CUDA tensors (--backend gloo
-    --device cuda), which lets several ranks share one GPU; NCCL refuses that. Returns (backend,
-    torch.device), after torch.cuda.set_device(it) on a GPU."""
-    local_rank, local_world = (int(os.environ.get(k, d)) for k, d in (("LOCAL_RANK", 0),
-                                                                       ("LOCAL_WORLD_SIZE", 1)))
+    """setup()'s defaults: NCCL if each local rank has a GPU of its own, else gloo on CPU (gloo
+    on CUDA lets ranks share a GPU). Returns (backend, device), after set_device on a GPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus, own = torch.cuda.device_count(), gpu_each(local_world)
     if device is None:
         device = "cuda" if backend != "gloo" and own else "cpu"
@@ -628,10 +622,9 @@ def choose_device(backend, device):
 
 
 def _attempt_store(timeout):
-    """The store torchrun describes (init_process_group's env:// one), its keys prefixed by the
-    restart attempt. Gotcha: after torchrun --max-restarts restarts a failed group, the store
-    still holds the old ranks' gloo addresses, and a new rank that reads one before its new
-    owner overwrites it waits for ever to connect to a dead process."""
+    """torchrun's store, its keys prefixed by the restart attempt. Gotcha: after torchrun
+    --max-restarts restarts a group, the store still holds the old ranks' addresses, and a new
+    rank that reads one waits for ever to connect to a dead process."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), timeout=timeout,
@@ -640,27 +633,20 @@ def _attempt_store(timeout):
 
 
 # ----------------------------------------------------------------------------------------------
-# wrap()'s options, each declared once, here (configure() puts them on the stage object). The
-# torch optimizer over the pieces (speed 3) is `.optimizer`: attach LR schedulers to that.
+# wrap()'s options, declared once (configure() sets them on the stage object). The torch
+# optimizer over the pieces (speed 3) is `.optimizer`: attach LR schedulers to that.
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    units: list = None         # the modules communicated as one (stage 3 gathers them one by
-                               # one); default_units(model)
+    units: list = None         # the modules communicated as one (default: default_units(model))
     param_dtype: torch.dtype = None   # e.g. torch.bfloat16: compute in it, keep fp32 masters
     reduce_dtype: torch.dtype = None  # of the gradient reductions (default fp32 with param_dtype)
     overlap: bool = True       # reduce during backward, prefetch in stage 3 (speed 1)
-    bucket_bytes: int = 0      # stages 0-2 cut the parameters into buckets of this many bytes,
-                               # merging small units and splitting large ones (speed 2; 0: every
-                               # unit its own bucket); stage 3 ignores it
-    check_steps: bool = True   # one 16-byte all-reduce per step that stops ranks that communicated
-                               # different units before anything is applied (check_step_agrees)
-    shard_size: int = None     # G, hybrid sharding: stages 1-3 shard over groups of G consecutive
-                               # ranks and replicate over the N/G groups (hybrid.py; default: N)
-    buffers: str = "none"      # "none": each rank keeps its own buffers after wrap() (as FSDP), so
-                               # those a forward updates (BatchNorm's statistics) drift apart;
-                               # "broadcast": rank 0's to every rank before each forward with
-                               # gradients on, as DDP's broadcast_buffers
+    bucket_bytes: int = 0      # stages 0-2: buckets of this many bytes (speed 2; 0: one per unit)
+    check_steps: bool = True   # 16 bytes a step: stop ranks that communicated different units
+    shard_size: int = None     # G, hybrid: stages 1-3 shard over G consecutive ranks (hybrid.py)
+    buffers: str = "none"      # "none": each rank's own, as FSDP (BatchNorm statistics drift);
+                               # "broadcast": rank 0's before each forward with grad on, as DDP
     init: object = None        # a model built under torch.device("meta"): init(module) for each
     device: object = None      # module, unit by unit, on device (default: this rank's GPU under
                                # NCCL, else the CPU), as model.apply(init) (meta_init.py)
@@ -670,10 +656,8 @@ AGREED = ("param_dtype", "reduce_dtype", "overlap", "check_steps", "N", "buffers
 
 
 def configure(zero, model, options):
-    """DataParallel's set-up that is not the algorithm: wrap()'s options on the object (an
-    unknown one is a TypeError, as for any function), the units, where the model lives, Ψ,
-    measurement, the check that every rank has the same model and options, hybrid sharding.
-    Returns the units."""
+    """DataParallel's set-up that is not the algorithm: the options (an unknown one: TypeError),
+    units, device, Ψ, meter, the ranks' agreement, hybrid sharding. Returns the units."""
     o = Options(**options)
     if not dist.is_initialized():  # a group for this model's device: torchrun's, or of one
         built = {p.device.type for p in model.parameters()} - {"meta"}
@@ -691,14 +675,17 @@ def configure(zero, model, options):
     zero.device = build_device(zero, zero.device)  # the model's, or where a meta model is built
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
     zero.meter = Meter(zero)
-    # Speed 1: how many reductions may be in flight. Stage 0's all-reduces work in place, with no
-    # memory of their own: as DDP, all, unless each reduces a copy in reduce_dtype (all at once
-    # would add up to a second, fp32 gradient). From stage 1 on, as FSDP2, one (stage 2 holds a
-    # full-unit buffer for each, gloo's all-to-all a receive buffer): the next waits for the last.
-    copies = any(zero.reduce_dtype not in (None, zero.param_dtype or u.flat.dtype) for u in zero.units)
+    # Speed 1, reductions in flight (_land_reductions): stage 0 all, in place as DDP, unless into
+    # copies (all: a second gradient); from stage 1 on one, as FSDP2: each holds a buffer.
+    copies = any(zero.reduce_dtype not in (None, zero.param_dtype or u.flat.dtype)
+                 for u in zero.units)
     zero.max_in_flight = 1 if zero.stage > 0 or copies else len(zero.units)
-    zero.forwards = count_forwards(model)  # (gathered() refuses to run inside one)
-    check_ranks_agree(zero)  # every rank has the same model and options
+    # The model's forwards running now, for gathered() (the second hook runs even if it raises)
+    running = zero.forwards = [0]
+    model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
+    model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1),
+                                always_call=True)
+    check_ranks_agree(zero)
     if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
         import hybrid
         hybrid.make_hybrid(zero)
@@ -710,11 +697,9 @@ def configure(zero, model, options):
 # Units: which modules, by default, and the parameters each one holds
 
 def default_units(model):
-    """The repeated blocks of the model, at any depth, as FSDP's auto-wrap by block class: the
-    members of every ModuleList or Sequential of two or more modules of one class with
-    trainable parameters (GPT-2's transformer.h, Llama's model.layers, a ViT's blocks),
-    outermost first; what no unit holds (embeddings, a final norm, a head) is the root unit.
-    Without such a list: each child with trainable parameters (ModuleLists, ModuleDicts opened)."""
+    """The model's repeated blocks at any depth, as FSDP's auto-wrap by block class: the members
+    of each ModuleList or Sequential of two or more trainable modules of one class (GPT-2's
+    transformer.h, Llama's model.layers), outermost first; else each trainable child."""
     units, taken = [], set()
     for name, m in model.named_modules():
         members = list(m) if isinstance(m, (nn.ModuleList, nn.Sequential)) else []
@@ -733,12 +718,15 @@ def _trainable_children(module):
 
 
 def make_units(zero, model, modules):
-    """The units of `model`: each trainable parameter goes to the first of `modules` (default:
-    default_units(model)) that holds it, what none holds to the root unit; then buckets, if
-    zero.bucket_bytes asks for them."""
+    """The units of `model`: each trainable parameter in the first of `modules` (default:
+    default_units) that holds it, the rest in the root unit; then buckets (bucket_bytes)."""
     real = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
     modules = default_units(model) if modules is None else list(dict.fromkeys(modules))
     inside = {id(m) for m in model.modules() if m is not model}
+    # Sparse gradients (sparse=True) have no storage to copy into a flat gradient: refused here
+    sparse = [(n, type(m).__name__) for name, m in model.named_modules()
+              if getattr(m, "sparse", False) is True
+              for n, p in m.named_parameters(prefix=name, recurse=False) if p.requires_grad]
     for bad, message in [
             (any(hasattr(p, "_zero_unit") for p in model.parameters()), "this model is wrapped "
              "already (wrap() changes it in place): build a new model to wrap it again"),
@@ -750,7 +738,10 @@ def make_units(zero, model, modules):
              real and f"some parameters are on the meta device and {real[0][0]} is on "
              f"{real[0][1].device}: build the whole model under torch.device('meta')"),
             (any(id(m) not in inside for m in modules),
-             "every unit must be a submodule of the model (not the model itself)")]:
+             "every unit must be a submodule of the model (not the model itself)"),
+            (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]} with "
+             "sparse=True): zero.py reduces dense gradients in flat buffers; build it with "
+             "sparse=False")]:
         if bad:
             raise ValueError(f"zero: {message}")
     zero.unit_modules = modules  # a module holding only tied weights of other units stays listed
@@ -762,7 +753,6 @@ def make_units(zero, model, modules):
         groups += [([module] if module else [], params)] * bool(params)
     if not groups:
         raise ValueError("zero: the model has no trainable parameters")
-    refuse_sparse(model)  # (checks)
     if zero.bucket_bytes:  # several units in one, or one in several
         groups = buckets(groups, zero.bucket_bytes)
     if any((p.dtype, p.device) != (ps[0].dtype, ps[0].device) for _, ps in groups for p in ps):
@@ -777,8 +767,6 @@ def make_units(zero, model, modules):
         unit.index = i
         for p in unit.params:
             p._zero_unit = weakref.ref(unit)  # wrapped (and, at stage 3, where its values live)
-    # The units each module computes with (stage 3 gathers them around its forward): those of
-    # its own parameters, and of any it shares with another unit (a head tied to the embedding).
     owner = {p: u for u in units for p in u.params}
     zero.computes_with = {m: units_of for m in [model] + modules if (units_of := list(
         dict.fromkeys(owner[p] for p in own_parameters(m, modules) if p in owner)))}
@@ -786,8 +774,7 @@ def make_units(zero, model, modules):
 
 
 def own_parameters(module, unit_modules):
-    """The parameters a module computes with itself: those of its submodules, but not those of
-    a unit module nested inside it."""
+    """What a module computes with itself: its parameters, less those of unit modules inside."""
     nested, out, todo = {id(m) for m in unit_modules if m is not module}, [], [module]
     while todo:
         m = todo.pop()
@@ -797,10 +784,8 @@ def own_parameters(module, unit_modules):
 
 
 def output_tensors(x, seen=None):
-    """The tensors in a module's output, at any depth: a tensor, or the tuples (named ones too),
-    lists, dicts (model-output classes too), dataclasses and other objects that hold tensors in
-    their attributes; each container opened once (an output may refer to itself), modules not.
-    Stage 3 hooks them to gather the unit again when backward reaches them."""
+    """The tensors in a module's output, for stage 3's backward hooks: at any depth of tuples,
+    lists, dicts, dataclasses, objects' attributes, each container once (it may hold itself)."""
     seen = set() if seen is None else seen
     if torch.is_tensor(x):
         return [x]
@@ -822,20 +807,25 @@ def replicated(model):
 
 def replicate_the_rest(zero):
     """What no unit holds, whole on every rank: rank 0's frozen parameters and buffers (seeds
-    may differ), in param_dtype with mixed precision, as the units compute."""
+    may differ). Mixed precision: frozen weights and, as FSDP2, float inputs in param_dtype."""
     for _, t in replicated(zero.model):
         dist.broadcast(t.data, src=0)
+    dtype = zero.param_dtype
     if zero.mixed_precision:
-        cast_frozen_and_inputs(zero.model, zero.unit_modules, zero.param_dtype)
+        for p in zero.model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
+        for m in [zero.model] + zero.unit_modules:
+            m.register_forward_pre_hook(lambda module, args: tuple(
+                a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
     if zero.buffers == "broadcast":
         zero.model.register_forward_pre_hook(functools.partial(_broadcast_buffers,
                                                                weakref.ref(zero)))
 
 
 def _broadcast_buffers(zero_ref, model, args):
-    # buffers="broadcast": rank 0's buffers to every rank before each forward, as DDP does: what
-    # a forward updates (BatchNorm's running statistics) starts from rank 0's on every rank. Only
-    # in forwards with gradients on, as DDP: an evaluation rank 0 runs alone must not wait.
+    # buffers="broadcast" (Options). Only in forwards with gradients on, as DDP: an evaluation
+    # rank 0 runs alone must not wait.
     zero = zero_ref()
     if zero is None or not torch.is_grad_enabled():
         return
@@ -862,9 +852,8 @@ def build_device(zero, device):
 
 
 def materialize(zero):
-    """The units, each ready to be sharded (wrap's loop): a model built normally has every unit
-    already; one built on the meta device has each allocated and initialized in turn, just
-    before it is handed out (meta_init.py, a file of its own)."""
+    """The units, each ready to be sharded (wrap's loop); those of a model built on the meta
+    device each allocated and initialized just before it is handed out (meta_init.py)."""
     zero.meter.event("building")
     if zero.units[0].flat.is_meta:
         import meta_init
@@ -876,15 +865,12 @@ def materialize(zero):
 
 
 # ----------------------------------------------------------------------------------------------
-# Speed 1, overlap: communicate while autograd computes (overlap=False, --no-overlap: wait for
-# each collective where it is issued, no prefetch). With async_op=True a collective runs on the
-# backend's own thread while backward computes the next unit's gradients: Part I keeps the
-# reductions in flight (_land_reductions), Prefetch the all-gathers of stage 3.
+# Speed 1, overlap: with async_op=True a collective runs on the backend's thread while autograd
+# computes: Part I's reductions in flight, Prefetch's all-gathers (--no-overlap: neither).
 
 class Prefetch:
-    """Stage 3's overlap: while a module computes, gather the units of the module that computes
-    next (the next one in forward, the one before in backward), in the order the first forward
-    gathered in. Costs one more unit of memory."""
+    """Stage 3's overlap: while a module computes, gather the units of the next one (in backward,
+    the one before), in the first forward's order. The price: one more unit of memory."""
 
     def __init__(self, zero):
         self.zero, self.order, self.calls, self.open = zero, None, [], []
@@ -910,25 +896,18 @@ class Prefetch:
                 self.zero._gather(u, prefetch=True)
 
 
-# Stage 3 on CUDA streams: why ZeRO3._free and _gather are safe with no record_stream. An
-# all-gather runs after every kernel queued before it (NCCL's on a stream of its own that first
-# waits for the compute stream; gloo's through host memory, after the same wait), and its wait()
-# makes the compute stream wait for it: nothing computes with a unit before it has landed. And
-# _free waits for it too: resize_(0) hands the memory to the caching allocator at once, which
-# gives it only to later allocations on the compute stream, queued after the kernels that read
-# the old values and after the collective.
+# Stage 3 on CUDA streams: why ZeRO3._free and _gather need no record_stream. An all-gather runs
+# after every kernel queued before it (NCCL's stream waits for the compute stream), and its wait()
+# (which _free calls too) makes the compute stream wait for it. resize_(0) gives the memory to the
+# caching allocator, which hands it only to later work on the compute stream, after its readers.
 
 
 def buckets(groups, bucket_bytes):
     # Speed 2, buckets (bucket_bytes, --bucket-mb): a collective has a fixed cost (latency, a
-    # launch, a sync with the slowest rank) on top of its bytes, so many small units are slow to
-    # reduce one by one, and one huge unit is reduced only once backward is done with all of it.
-    # So stages 0-2 may cut the parameters into buckets, as DDP's 25 MB ones: walking them in
-    # reverse (the order backward produces gradients in, roughly), a bucket closes once it holds
-    # bucket_bytes, or where the dtype or device changes; what is left is the first parameters'
-    # bucket, the last backward completes: the reduction nothing overlaps is the smallest. The
-    # price: a bucket is reduced when its last gradient arrives, and stage 2 holds its whole
-    # full gradient while it is reduced.
+    # sync with the slowest rank) beyond its bytes, so many small units reduce slowly; one huge
+    # unit waits for all of backward. Stages 0-2 may cut buckets, as DDP's 25 MB: in reverse
+    # (about backward's order), each closing at bucket_bytes or a change of dtype or device; the
+    # smallest is last, the one nothing overlaps. The price: stage 2 holds a bucket's gradient.
     out, held = [[]], 0
     for p in reversed([p for _, ps in groups for p in ps]):
         if out[-1] and (p.dtype, p.device) != (out[-1][-1].dtype, out[-1][-1].device):
@@ -941,26 +920,17 @@ def buckets(groups, bucket_bytes):
 
 
 # Speed 3, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
-# torch's for-loop Adam passes over each tensor about ten times (weights, gradient, m, v, two
-# temporaries): a 128K-element (512 kB in fp32) piece's weights, gradient, m and v take 2 MB,
-# one core's L2 cache, so most passes read the cache, not memory (1M-element pieces made stage
-# 0's step 1.1-1.8x as long, two ranks sharing the memory bus). The price: more tensors, each
-# with Adam's fixed per-tensor work and its 4-byte step counter. On a GPU the kernels stream,
-# and few large pieces mean fewer launches.
+# torch's for-loop Adam passes over each tensor about ten times: a 128K-element piece's weights,
+# gradient, m and v take 2 MB, one core's L2 cache (1M-element pieces made stage 0's step 1.1-1.8x
+# as long). The cuts also bound the temporaries it allocates per tensor (one [S] of a 50M shard:
+# 200 MB). The price: Adam's per-tensor work and step counter for each. On a GPU, few launches.
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
 def optimizer_pieces(zero):
-    """The tensors the optimizer steps: each unit's master (the elements this rank steps) cut
-    into pieces of at most PIECE elements (views, no copy), exact all the same (element-wise
-    optimizers). The cuts also bound the temporaries torch's for-loop optimizers (the default on
-    CPU) allocate per tensor (Adam's sqrt(v) + eps...): one [S] temporary of a 50M-parameter
-    shard would be 200 MB (CUDA's default, foreach, makes one fp32 [S] whatever the pieces).
-    unit.owners: the parameters each piece holds elements of (the padding rides with the last);
-    step() hands a piece no gradient when none of them got one. A unit where a piece holds one
-    parameter that got one and one that did not is cut again where parameters start
-    (split_pieces), once and for good, as torch steps each parameter or skips it: not before,
-    as a piece per parameter costs the optimizer's per-tensor work for every parameter."""
+    """The tensors the optimizer steps: each unit's master cut into views of at most PIECE
+    elements; unit.owners: the parameters each holds elements of (the padding: the last's). Cut
+    where parameters start only when needed (split_pieces): each piece costs per-tensor work."""
     zero.piece = PIECE.get(zero.units[0].flat.device.type, PIECE["cuda"])
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
@@ -979,10 +949,9 @@ def cut_pieces(zero, u, per_parameter):
 
 
 def split_pieces(zero, units):
-    """Cut the pieces of `units` where parameters start (cut_pieces), in place for the
-    optimizer: its one group's tensors and its state, each new piece's per-element state (Adam's
-    m and v) copied from the piece it was part of, and the scalars (its step count), which the
-    parameters of one piece share (they were stepped together)."""
+    """Cut the pieces of `units` where parameters start, in place in the optimizer: its group's
+    tensors, and its state: each new piece's slice of the old piece's per-element state (Adam's
+    m and v), and the scalars (the step count: they were stepped together)."""
     units, state = [u for u in units if not u.per_parameter], zero.optimizer.state
     for u in units:
         old = [(piece, piece.storage_offset()) for piece in u.pieces]
@@ -1002,29 +971,24 @@ def split_pieces(zero, units):
         zero.optimizer.param_groups[0]["params"] = [p for u in zero.units for p in u.pieces]
 
 
-# Speed 4, gloo's collectives on CPU tensors. gloo's reduce_scatter_tensor and
-# all_gather_into_tensor are slow on CPU, slower than its own all-reduce, which does both halves
-# (fsdp_demo.py --bench times all three). So on gloo with CPU tensors zero.py does the same
-# another way, sending the same (N-1)/N per rank:
-#   reduce-scatter = one all_to_all (slice j of every rank goes to rank j) + a local sum of the N
-#                    slices received; above A2A_BYTES (a reduce has a fixed cost even when tiny),
-#                    N reduces in place (rank j the root of slice j): no receive buffer,
+# Speed 4, gloo on CPU tensors: its reduce_scatter_tensor and all_gather_into_tensor are slower
+# than its all-reduce, which does both (fsdp_demo.py --bench times all three). So zero.py sends
+# the same (N-1)/N per rank another way (DIRECT = False, another backend, CUDA: the native calls):
+#   reduce-scatter = one all_to_all (slice j of every rank to rank j) + a local sum of the N
+#                    slices; above A2A_BYTES, N reduces in place (rank j the root of slice j),
 #   all-gather     = N broadcasts, in place (rank j sends its shard to everyone).
-# Trade-off: the all-to-all's receive buffer (counted as gradient memory while in flight).
-# DIRECT = False, another backend, or CUDA tensors use the native calls.
+# Trade-off: the all-to-all's receive buffer (gradient memory while in flight).
 DIRECT = True
 A2A_BYTES = 16 << 20
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the
-# old names, which every torch >= 2.6 has (and every tutorial uses): that warning is silenced.
+# torch 2.13 warns on the names every torch >= 2.6 has (and every tutorial uses): silenced.
 RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
 
 
 class _Pending:
-    """What an async collective made of several calls returns: a handle like torch's Work,
-    waiting for all the calls and then finishing on this rank (the local sum, or a copy). early:
-    whether it may land as soon as its calls are complete (_land_reductions)."""
+    """Like torch's Work, for a collective of several calls: wait() waits for all, then finishes
+    here (the local sum, or a copy). early: it may land once its calls complete."""
 
     def __init__(self, works, finish=None, buffers=(), early=True):
         self.works, self.finish, self.buffers, self.early = works, finish, buffers, early
@@ -1078,12 +1042,11 @@ class GlooCPU:
 # ----------------------------------------------------------------------------------------------
 # Mixed precision (param_dtype, --bf16), the paper's accounting: compute, gradients and
 # all-gathers in param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over
-# N ranks in bf16 loses bits), and an fp32 master copy of this rank's shard for the optimizer,
-# which makes K = 4 + 8 = 12 bytes for Adam. None: everything stays in the model's dtype.
+# N ranks in bf16 loses bits), and an fp32 master of this rank's shard: K = 4 + 8 = 12 for Adam.
 
 def cast(unit, dtype):
     """The modules compute with a copy of the unit in `dtype` (None: no copy). Returns the flat
-    buffer as it was, which the fp32 masters are cut from."""
+    buffer as it was, for the fp32 masters."""
     full = unit.flat
     if dtype is not None:
         unit.flat = unit.flat.to(dtype)
@@ -1092,21 +1055,9 @@ def cast(unit, dtype):
     return full
 
 
-def cast_frozen_and_inputs(model, unit_modules, dtype):
-    for p in model.parameters():
-        if not p.requires_grad:
-            p.data = p.data.to(dtype)  # frozen weights compute in param_dtype too
-    for m in [model] + unit_modules:  # as FSDP2 does: float inputs cast to param_dtype
-        m.register_forward_pre_hook(lambda module, args: tuple(
-            a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
-
-
 def after_step(zero):
-    """After optimizer.step(): in mixed precision, round the updated fp32 masters into the
-    param_dtype shards the model computes with; let go of the pieces' .grad (views of the
-    gradient shard, or of its fp32 copy, unit.step_grad, made for the step only). Measured
-    before that copy goes (4 bytes per element stepped, a transient the paper's formula does
-    not count), and once more after."""
+    """After optimizer.step(): let go of the pieces' .grad and unit.step_grad (measured before:
+    its fp32 copy is a transient the paper's formula does not count)."""
     zero.meter.event("optimizer step")
     for u in zero.units:
         if zero.mixed_precision:
@@ -1122,8 +1073,7 @@ def after_step(zero):
 # Measurement: the bytes each rank holds, at every change, and the bytes it sends, per call
 
 def _nbytes(tensors):
-    """Bytes of the distinct storages behind these tensors: what is really allocated, so a view
-    is not counted twice and a freed buffer (storage resized to 0) counts 0."""
+    """Bytes of the distinct storages behind these tensors: a view counted once, a freed one 0."""
     storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
     return sum(n for ptr, n in storages.items() if ptr)
 
@@ -1132,10 +1082,8 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups
 
 
 class Meter:
-    """zero.comm: bytes sent per collective kind; zero.peak: the most model-state bytes held at
-    any moment, per kind. Part I calls sent() at every collective and event() wherever memory
-    changes: a gather, a free, a reduction launched or landed, a gradient buffer made or
-    dropped, the optimizer step."""
+    """zero.comm: bytes sent per collective kind; zero.peak: the most model-state bytes held,
+    per kind. Part I calls sent() at every collective and event() wherever memory changes."""
 
     def __init__(self, zero):
         self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
@@ -1143,10 +1091,8 @@ class Meter:
         zero.comm, zero.peak, zero.build_peak = Counter(), Counter(), Counter()
 
     def sent(self, kind, full, unit=None, ranks=None):
-        """Count what a ring algorithm makes this rank send for a collective over `full` (M
-        bytes): all_reduce 2(N-1)/N M, reduce_scatter and all_gather (N-1)/N M each (gloo's
-        ways of GlooCPU send the same); and fold it into the fingerprint of what was sent on
-        which unit, which check_step_agrees compares."""
+        """Count what a ring makes this rank send for a collective over `full` (M bytes):
+        all_reduce 2(N-1)/N M, others (N-1)/N M; and fold it into the step's fingerprint."""
         z, code = self.zero, KINDS.index(kind)  # (not hash(kind): it differs between processes)
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
         n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # the ring
@@ -1154,15 +1100,13 @@ class Meter:
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
     def breakdown(self):
-        """Bytes of model state this rank holds now, over the storages really allocated (frozen
-        parameters and buffers are not model state that ZeRO shards, and are not counted)."""
+        """Bytes of model state this rank holds now, allocated (not frozen parameters, buffers)."""
         held = [self.unit_bytes(u) for u in self.zero.units]
         return {"params": sum(h["params"] for h in held), "grads": sum(h["grads"] for h in held),
                 "optimizer": self.optimizer_bytes()}
 
     def unit_bytes(self, unit):
-        # No two units share a storage: what a rank holds is the sum of what each unit holds,
-        # its parameters and gradients, with what its reduction in flight holds.
+        # No two units share a storage: a rank holds the sum over units (in flight included).
         flying = [t for w, u, mine in self.zero.in_flight if u is unit
                   for t in (mine, *getattr(w, "buffers", ()))]
         grads = [g for g in (unit.grad, unit.grad_shard, unit.step_grad) if g is not None]
@@ -1176,9 +1120,8 @@ class Meter:
         return _nbytes(state + ([u.master for u in z.units] if z.mixed_precision else []))
 
     def event(self, what, unit=None):
-        # Peak tracking. At the start and after the step (unit None) everything is measured;
-        # during forward and backward one unit's memory changes at a time: only it is measured
-        # again and the running total corrected, an event costing the same with 5 units or 500.
+        # Peak tracking: unit None (the start, the step) measures all; else only the unit that
+        # changed, the total corrected: the same cost for 5 units or 500.
         for u in self.zero.units if unit is None else [unit]:
             old, self.held[u] = self.held.get(u, Counter()), self.unit_bytes(u)
             self.now.update(self.held[u])
@@ -1201,9 +1144,8 @@ STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharde
 
 
 def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8, shard_size=None):
-    """Model-state bytes per rank: stage >= 1 shards the optimizer state, >= 2 the gradients,
-    3 the parameters, over N ranks (G with hybrid sharding). Defaults: fp32 AdamW (K = 8, m and
-    v); the paper's: 2, 2, 12."""
+    """Model-state bytes per rank, sharded over N ranks (G, hybrid). Bytes per parameter: fp32
+    AdamW's by default; the paper's: 2, 2, 12."""
     n = shard_size or world
     return {"params": param_bytes * psi / (n if stage >= 3 else 1),
             "grads": grad_bytes * psi / (n if stage >= 2 else 1),
@@ -1212,11 +1154,9 @@ def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8
 
 def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1,
                  shard_size=None):
-    """Bytes one rank sends per optimizer step (ring algorithms), by collective. With k
-    micro-batches stages 0 and 1 reduce once (all but the last in no_sync()), stages 2 and 3
-    reduce-scatter in every backward, stage 3 gathers in every forward and backward. With hybrid
-    sharding (G < N) those run among G ranks, and each reduction adds an all-reduce of its 1/G
-    across the R = N/G groups: the only bytes that cross groups."""
+    """Bytes one rank sends per step (rings), by collective. k micro-batches: stages 0 and 1
+    reduce once (no_sync()), 2 and 3 in every backward; 3 gathers in every forward and backward.
+    Hybrid (G < N): among G ranks, plus an all-reduce of each 1/G across the R = N/G groups."""
     G, k, R = shard_size or world, micro_batches, world // (shard_size or world)
     ring = (G - 1) / G * psi if stage else (world - 1) / world * psi
     g, r = ring * gather_bytes, ring * reduce_bytes
@@ -1229,43 +1169,6 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
     return out
 
 
-def estimate(psi, world, shard_size=None, stages=range(4)):
-    """Per-rank model-state memory for each stage (or those in `stages`), from the formula
-    alone: no model, no ranks; and the elements each rank sends per step, inside its group of G
-    and across the groups."""
-    G = shard_size or world
-    print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
-          f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks"
-          + (f" in groups of G = {G} (hybrid: stages 1-3 shard over G)" if G < world else "")
-          + ",\nmixed-precision Adam: 2 + 2 + 12 bytes per parameter, GB = 1e9 bytes\n\n"
-          f"{'stage':<27} {'params':>9} {'grads':>9} {'optimizer':>9} {'total':>9}  "
-          f"{'sent, in group':>14} {'across groups':>14}")
-    for stage in stages:
-        m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12, G).items()}
-        sent = comm_formula(stage, psi, world, 1, 1, shard_size=G)
-        across = sent.pop("all_reduce across groups", 0)
-        inside = sum(sent.values()) if stage or G == world else 0  # stage 0: all-reduce over N
-        across += 0 if stage or G == world else sum(sent.values())
-        gb = [_fit(m[k], 2) for k in ("params", "grads", "optimizer")] + [_fit(sum(m.values()), 1)]
-        print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} "
-              + " ".join(f"{x:>6} GB" for x in gb) + f"  {inside:>14.4g} {across:>14.4g}")
-    ring = "2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3" if len(stages) == 4 else \
-        ", ".join(f"{3 if s == 3 else 2}Ψ(N-1)/N for stage {s}" for s in stages)
-    print(f"\nsent: elements per rank per step (ring algorithms): {ring}" + (
-        ";\nwith G < N the reduce-scatters and all-gathers run inside a group of G, and each "
-        "shard's all-reduce\ncrosses the groups (stage 0's all-reduce runs over all N)"
-        if G < world else ""))
-
-
-def _fit(x, decimals, width=6):
-    """x with `decimals` decimals, or in fewer significant digits where that is wider than
-    `width` (Ψ = 1e30): the table's columns hold."""
-    text = f"{x:.{decimals}f}"
-    for digits in (3, 2, 1):
-        text = text if len(text) <= width else f"{x:.{digits}g}"
-    return text if len(text) <= width else f"{x:.0e}"
-
-
 def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
     unit, scale = next(((u, s) for u, s in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s),
                        ("", 1))
@@ -1276,7 +1179,7 @@ def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
 # Checks: bad input is a clear error, ranks that disagree fail fast instead of hanging
 
 def _all_ranks(row, device, dtype=torch.int64):
-    """Every rank's `row` (numbers, as many on each rank), in rank order: one small all-gather."""
+    """Every rank's `row` (as many numbers on each), in rank order: one small all-gather."""
     mine = torch.tensor(row, dtype=dtype, device=device)
     every = torch.empty(dist.get_world_size() * len(row), dtype=dtype, device=device)
     all_gather(every, mine)
@@ -1284,9 +1187,8 @@ def _all_ranks(row, device, dtype=torch.int64):
 
 
 class ShardedParameter(nn.Parameter):
-    """A stage-3 parameter: between uses its storage is freed (ZeRO3._free), and plain torch
-    would read freed memory (a crash, or garbage). Reading its values then is a clear error;
-    what only asks for its shape, dtype, grad or hooks still works."""
+    """A stage-3 parameter, its storage freed between uses (ZeRO3._free): reading its values
+    then is a clear error, not freed memory; its shape, dtype, grad or hooks still work."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -1327,9 +1229,8 @@ def _digest(x):
 
 
 def check_ranks_agree(zero):
-    # Fail fast: ranks that built another model, or chose another stage or option that changes
-    # what is communicated, would hang in a collective whose sizes differ, or exchange garbage.
-    # So the first collective is a small one every rank can make: every rank's of each.
+    # Fail fast: ranks with another model, stage or option would hang in a collective of other
+    # sizes, or exchange garbage. So the first collective is a small one any rank can make.
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = {"shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
@@ -1346,21 +1247,21 @@ def check_ranks_agree(zero):
 
 
 def check_step_agrees(zero):
-    """The parameters that got a gradient on some rank since zero_grad(), a set: step() steps
-    those only (settle_unused settles their .grad and pieces). Checks first that no unit of
-    stage 3 is still in use by a forward that did not finish (its gathered values would go
-    stale), and that every rank communicated the same units (check_steps)."""
-    # Ranks that computed with different units of the same size (a forward that branches on
-    # the rank, or on data) pair the wrong buffers in their collectives, and nothing fails. So
-    # every rank keeps a fingerprint of the collectives it made on which units (Meter.sent),
-    # and before the optimizer applies anything one all-reduce of 16 bytes compares them, as
-    # DDP's find_unused_parameters pays an all-reduce per step. The same bytes carry whether a
-    # parameter got no gradient (known on each rank, unit.received; on any, only together): the
-    # fingerprint, made even, plus 1 where this rank has one. max(trace + bit) + max(-trace) is
-    # 0 or 1 if the traces agree, 2 or more if not. Only if some rank set the bit does a second
-    # all-reduce, of a byte per parameter (MAX: "on any rank"), say which. check_steps=False
-    # pays that one every step, and the check nothing.
-    refuse_unfrozen(zero)
+    """The set of parameters some rank gave a gradient since zero_grad(): step() steps those
+    (settle_unused settles their .grad and pieces). Refused first: a parameter frozen at wrap()
+    and trainable now (in no unit, it would train on no rank), a stage-3 unit still used by a
+    forward (it would go stale), ranks that communicated different units."""
+    # Ranks that computed with other units of the same size (a forward branching on the rank)
+    # pair the wrong buffers, and nothing fails. So each rank fingerprints its collectives
+    # (Meter.sent); one 16-byte all-reduce compares them before anything is applied, and carries
+    # whether a parameter got no gradient here: the fingerprint, made even, plus 1 if so;
+    # max(trace + bit) + max(-trace) is 0 or 1 if the traces agree. Only if a rank set the bit, a
+    # second all-reduce (MAX, a byte per parameter) says which; check_steps=False pays it always.
+    for name, p in zero.frozen:  # (frozen after wrap(): no gradient, step() leaves it, as torch)
+        if p.requires_grad:
+            raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
+                               "shards and steps the parameters trainable then; build the model "
+                               "with it trainable and wrap it again")
     for u in zero.units:
         if getattr(u, "users", 0):
             raise RuntimeError(f"zero: unit {u.index} is still gathered by a forward that did not "
@@ -1387,9 +1288,8 @@ def check_step_agrees(zero):
 
 
 def check_gradient(zero, p):
-    """Every gradient as it arrives (_on_grad): refused after step() or clip_grad_norm_()
-    without zero_grad() (adding local gradients to averaged ones would silently be wrong), or
-    if it is sparse."""
+    """Refused: a gradient after step() or clip_grad_norm_() without zero_grad() (local ones
+    added to averaged ones: silently wrong), or a sparse one."""
     if zero._reduced:
         raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
                            "call zero_grad() first")
@@ -1401,11 +1301,10 @@ def check_gradient(zero, p):
 
 
 def recomputing(zero=None, units=()):
-    """Whether a module's forward runs inside a backward: torch.utils.checkpoint running it
-    again to recompute what it did not save (activation checkpointing). Its forward hook may
-    never run (non-reentrant checkpointing stops once it has what it needs), so at stage 3 no
-    users are counted: the units are gathered here and stay so until their gradient is reduced,
-    as after _pre_backward."""
+    """Whether a forward runs inside a backward: activation checkpointing recomputing what it
+    did not save. Its forward hook may never run (non-reentrant checkpointing stops once it has
+    what it needs), so no users are counted: stage 3 gathers the units here, and they stay so
+    until their gradient is reduced, as after _pre_backward."""
     if torch._C._current_graph_task_id() == -1:
         return False
     if zero is not None:
@@ -1416,12 +1315,11 @@ def recomputing(zero=None, units=()):
 
 
 def count_unused(zero, unit):
-    """Stages 0 and 1, before a unit is reduced: a parameter with no gradient since zero_grad()
-    (unused here) still has last step's values in its slice of the buffer: zeroed, the
-    reduction counts them as zero. Its .grad stays None, as torch leaves it; the slice, once
-    reduced, holds the other ranks' mean, which a later backward adds to (unit.hidden) and which
-    step() shows as p.grad if some rank used p (settle_unused), as DDP does. A .grad of zeros
-    that zero_grad(set_to_none=False) kept is a gradient, stepped as torch steps it."""
+    """Stages 0 and 1, before a unit is reduced: the slice of a parameter with no gradient since
+    zero_grad() (unused here) still holds last step's values: zeroed, reduced as zeros. Its
+    .grad stays None, as torch's; once reduced, the slice holds the other ranks' mean, which a
+    later backward adds to (unit.hidden) and step() shows as p.grad if some rank used p
+    (settle_unused), as DDP. Zeros kept by zero_grad(set_to_none=False) are a gradient."""
     if zero.keeps_full_grads:
         for p in unit.params:
             if p.grad is None and p not in unit.hidden:
@@ -1431,10 +1329,9 @@ def count_unused(zero, unit):
 
 
 def settle_unused(zero, with_grad):
-    """Once every rank knows which parameters some rank gave a gradient (with_grad): p.grad of
-    each one this rank did not use is the mean its slice holds, or None (as torch) if no rank
-    used it; and a unit with a piece that holds parameters of both kinds gets pieces per
-    parameter (split_pieces), so that step() skips exactly those."""
+    """Once every rank knows with_grad: p.grad of each p unused here is the mean its slice
+    holds, or None (as torch) if no rank used it; a piece holding parameters of both kinds is
+    cut per parameter (split_pieces), so that step() skips exactly those."""
     for u in zero.units:
         for p in u.hidden & with_grad:
             p.grad = u.view(u.grad, p)
@@ -1446,11 +1343,9 @@ def settle_unused(zero, with_grad):
 
 
 def guard_conversions(model):
-    """model.to(dtype or device), .float(), .half(), .cuda()... after wrap() would give each
-    parameter a converted copy, no longer a view of the units zero.py reduces, steps and gathers:
-    it would train silently wrong (or, at stage 3, read freed memory). Refused, saying what to do
-    instead; a conversion that leaves the units' parameters as they are still converts the rest
-    (buffers, frozen parameters)."""
+    """model.to(dtype or device), .float(), .cuda()... after wrap() would give each parameter a
+    converted copy, no view of the units: silently wrong training (stage 3: freed memory read).
+    Refused, saying what to do; one that leaves the units' parameters alone converts the rest."""
     names = {p: n for n, p in model.named_parameters()}
     for module in model.modules():
         module._apply = functools.partial(_convert, module, module._apply, names)
@@ -1469,49 +1364,15 @@ def _convert(module, apply, names, fn, recurse=True):
         return apply(lambda t: t if hasattr(t, "_zero_unit") else fn(t), recurse)
 
 
-def refuse_sparse(model):
-    # nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make sparse gradients, which
-    # have no storage to copy into a unit's flat gradient: refused at wrap, not in backward.
-    for name, m in model.named_modules():
-        for n, p in m.named_parameters(prefix=name, recurse=False):
-            if getattr(m, "sparse", False) is True and p.requires_grad:
-                raise ValueError(f"zero: {n} would get sparse gradients ({type(m).__name__} with "
-                                 "sparse=True): zero.py reduces dense gradients in flat buffers; "
-                                 "build it with sparse=False")
-
-
-def refuse_unfrozen(zero):
-    # A parameter frozen at wrap() belongs to no unit: nothing reduces or steps its gradient.
-    # Unfrozen later, it would train on no rank while its gradients piled up: refused. (Frozen
-    # after wrap() is torch's case: no gradient, and step() leaves it alone.)
-    for name, p in zero.frozen:
-        if p.requires_grad:
-            raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
-                               "shards and steps the parameters trainable then; build the model "
-                               "with it trainable and wrap it again")
-
-
 # ----------------------------------------------------------------------------------------------
 # Full parameters for a moment: `with optimizer.gathered(modules=None, writeback=False):`, as
-# FSDP1's summon_full_params and DeepSpeed's GatheredParameters. Inside, the parameters of the
-# given modules (default: the whole model) hold their full values: stage 3 all-gathers the
-# units that hold them (only those: pass one block to hold one unit), stages 0-2 hold them
-# already. Reading works as on a plain model: evaluation, generation (under torch.no_grad(),
-# whose forwards gather nothing more), an EMA, norms for a log. With writeback=True what the
-# code wrote lands, when the block ends, in every rank's parameters, shards and fp32 masters,
-# rank 0's values winning (a broadcast: DeepSpeed's modifier_rank=0); without it, what is
-# written is not kept in step across ranks, nor (stage 3, mixed precision) kept at all.
-# Every rank enters the block (a collective at stage 3 and with writeback), never inside a
-# forward or backward. The optimizer's state (Adam's m and v) is left as it is.
-
-def count_forwards(model):
-    """[the forwards of the model running now], kept by two hooks (the second runs even when
-    the forward raises)."""
-    running = [0]
-    model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
-    model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1),
-                                always_call=True)
-    return running
+# FSDP1's summon_full_params, DeepSpeed's GatheredParameters: the parameters of the modules
+# (default: the model; stage 3 gathers only their units) hold their full values, to read as on a
+# plain model: evaluation, generation (under torch.no_grad(): no more gathers), an EMA, norms.
+# With writeback=True what is written lands at the end in every rank's parameters, shards and
+# fp32 masters, rank 0's winning (a broadcast: DeepSpeed's modifier_rank=0); without, writes are
+# not kept in step across ranks, nor (stage 3, mixed precision) kept at all. Every rank enters (a
+# collective at stage 3 or with writeback), never in a forward or backward. Adam's state stays.
 
 
 @contextlib.contextmanager
@@ -1559,16 +1420,12 @@ def _write_back(zero, units, wanted, mine):
 
 def _wide(t):
     """t in float32, or kept in float64: the precision masters are saved and returned in."""
-    return t.to(_wide_dtype(t))
-
-
-def _wide_dtype(t):
-    return torch.promote_types(t.dtype, torch.float32)
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def layout(zero):
     """The names and shapes, in flat order, of each unit's parameters, and what else a reader
-    of this rank's state_dict() needs to know. Equal on every rank."""
+    of a rank's state_dict() needs: the same on every rank."""
     names = {p: n for n, p in zero.model.named_parameters()}
     u0 = zero.units[0]
     return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.N, "psi": zero.psi,
@@ -1578,9 +1435,8 @@ def layout(zero):
 
 
 # ----------------------------------------------------------------------------------------------
-# The demo model and data: a small byte-level GPT, trained on text made here (corpus), so that
-# nothing is downloaded and the loss visibly falls from ln(256) = 5.55 within a minute on CPU;
-# --data FILE trains on any file's bytes instead.
+# The demo: a small byte-level GPT on text made here (corpus), so nothing is downloaded and the
+# loss visibly falls from ln(256) = 5.55 within a minute on CPU (--data FILE: any file's bytes).
 
 SUBJECTS = ["every rank", "rank 0", "the last rank", "each shard", "the optimizer", "the unit"]
 VERBS = ["holds", "gathers", "reduces", "steps", "frees", "sends", "keeps", "scatters"]
@@ -1591,8 +1447,7 @@ ENDINGS = [" before the step", " during backward", " after the forward", " at on
 
 def corpus(size=1 << 17):
     """`size` bytes of sentences drawn from the lists above by a fixed linear congruential
-    generator: the same text on every machine, every torch and Python, whatever else changes
-    in this file (the losses the README quotes stay true)."""
+    generator: the same text everywhere, on any torch or Python (the README's losses stay true)."""
     x, out, n = 12345, [], 0
     while n < size:
         words = []
@@ -1628,9 +1483,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT. The blocks are the stage-3 units; the token embedding (tied to the output
-    head: one parameter, used twice), the position embedding and the final norm form the root
-    unit."""
+    """Byte-level GPT. The blocks are the units; the root unit holds the token embedding (tied to
+    the output head: one parameter, used twice), the position embedding and the final norm."""
 
     def __init__(self, seq_len=64, d_model=64, n_layer=4, n_head=4, vocab=256):
         super().__init__()
@@ -1660,9 +1514,8 @@ class GPT(nn.Module):
 
 
 def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
-    """This rank's rows of the global batch for (step, micro-batch): rank r takes rows
-    [r*B, (r+1)*B) of N*B windows drawn from one seeded generator, so every stage sees the same
-    global batch and a single process fed all N*B rows is the exact reference."""
+    """Rank r's rows [r*B, (r+1)*B) of the N*B windows one seeded generator draws for (step,
+    micro-batch): every stage sees the same global batch; one process fed all is the reference."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro)
     starts = torch.randint(len(data) - seq_len - 1, (world * batch_size,), generator=g)
     mine = starts[rank * batch_size:(rank + 1) * batch_size]
@@ -1671,8 +1524,7 @@ def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
 
 
 # ----------------------------------------------------------------------------------------------
-# Training and the report: one line per step from rank 0, and a closing table of what each rank
-# held and sent, measured, next to the formula.
+# Training and the report: a line per step, then what each rank held and sent, next to the formula
 
 def box(rows):
     width = max(len(k) for k, _ in rows), max(len(str(v)) for _, v in rows)
@@ -1690,8 +1542,7 @@ def log0(*a, **k):
 
 
 class Diverged(Exception):
-    """The loss or the gradient norm is not finite: training stopped before that step was applied
-    (printed as one line, exit code 3)."""
+    """The loss or gradient norm is not finite: stopped before that step (one line, exit code 3)."""
 
 
 class OutOfMemory(Exception):
@@ -1699,11 +1550,10 @@ class OutOfMemory(Exception):
 
 
 def zero_build(args):
-    """build() for train(): zero.wrap with the command line's settings. The model comes built on
-    the meta device: wrap() initializes it unit by unit (GPT.init_weights), and --init-from's
-    weights are then loaded with each rank reading only its own shards of the file."""
+    """build() for train(): zero.wrap with the command line's settings, initializing the meta
+    model unit by unit; --init-from's weights then loaded, each rank reading its own shards."""
     def build(model, device):
-        state = read_state_dict(args.init_from) if args.init_from else None  # before building
+        state = _checkpoints().read_state_dict(args.init_from) if args.init_from else None  # before building
         opt = wrap(model, args.stage, adamw(args), units=model.blocks,
                    param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
                    bucket_bytes=int(args.bucket_mb * 2**20), check_steps=not args.no_step_check,
@@ -1720,9 +1570,8 @@ def zero_build(args):
 
 @dataclasses.dataclass
 class Progress:
-    """What this rank is doing, kept up to date by train() and by hooks on the demo GPT's blocks
-    (track), for the line that names where memory ran out: the forward or the backward of which
-    block, in which step. memory.Watch adds the data size at each of these moments."""
+    """What this rank is doing (train() and hooks on the blocks: track), for the line naming where
+    memory ran out: which block's forward or backward, in which step. memory.Watch adds sizes."""
     what: str = "building the model"
     step: int = None
 
@@ -1752,16 +1601,11 @@ def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16,
 
 
 def train(args, build=None, keep_params=False, quiet=False):
-    """Train the demo model and return what was measured (gathered from every rank).
-
-    build(model, device) -> (callable model, optimizer, label) chooses how the model, built on
-    the meta device, is parallelized and initialized; the default is zero_build (zero.wrap).
-    fsdp_demo.py passes PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2): same model, data,
-    seed, loop and measurements, only the sharding differs.
-
-    With args.ckpt_dir: one job per directory (checkpoints.py), checked before anything is
-    built. Running out of memory (under --max-memory, a limit that is enforced, or a real one)
-    is one line, OutOfMemory, naming the rank, where it was (Progress) and the stage's formula."""
+    """Train the demo model; return what was measured (gathered from every rank). build(model,
+    device) -> (callable model, optimizer, label) parallelizes and initializes the meta-device
+    model (default zero_build); fsdp_demo.py passes PyTorch's (DDP, ZeroRedundancyOptimizer,
+    FSDP2). args.ckpt_dir: one job per directory, checked first. Out of memory (--max-memory's or
+    a real one): OutOfMemory, one line naming the rank, where (Progress), the stage's formula."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
     watch = args.max_memory and device.type == "cpu"  # the data size too (memory.py)
     progress = _memory().Watch() if watch else Progress()
@@ -1806,10 +1650,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
               else "float32, AdamW (state m, v: 8 bytes per parameter)"),
              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                               f"{args.grad_accum} micro-batch(es)")]))
-    # --ckpt-dir, --resume-from: checkpoints.py resumes from the newest complete checkpoint,
-    # whatever stage and world size wrote it, and from then on saves this run's.
     ck = _checkpoints() if args.ckpt_dir or args.resume_from else None
-    first, last_good = ck.resume(opt, args, data_position(args, world), device, log) if ck \
+    first, last_good = ck.resume(opt, args, world, device, log) if ck \
         else (1, None)
     # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count
     # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
@@ -1830,7 +1672,6 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
             for micro in range(args.grad_accum):
                 x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len,
                                  args.seed)
-                # all micro-batches but the last accumulate locally: one reduction per step
                 with opt.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
                     logits = net(x.to(device)).float()
                     loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
@@ -1838,13 +1679,11 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
                     progress.note("the backward")
                     loss.backward()
                 loss_sum += loss.detach()
-            # The global gradient norm, the same on every rank: clipped to --clip, or with
-            # --clip 0 only measured (a scale of exactly 1), for the check below.
+            # The global gradient norm, clipped to --clip (0: a scale of exactly 1), checked below
             progress.note("the gradient reductions and norm")
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
-        # Divergence: a non-finite loss or gradient norm is never applied, so never saved. The
-        # loss of the global batch (all-reduced: every rank decides the same) and the norm are
-        # checked before the step; the run stops there (or, --skip-nonfinite, drops the step).
+        # Divergence: a loss (of the global batch: every rank decides the same) or norm not
+        # finite is never applied, so never saved: the run stops (--skip-nonfinite: skips it).
         dist.all_reduce(loss_sum)
         loss, norm = loss_sum.item() / world, norm.item()
         inf = float("inf")
@@ -1873,12 +1712,11 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + ("" if finite else " | not finite: skipped, the weights are unchanged"))
         if args.ckpt_dir and (step == args.steps or args.ckpt_every and step % args.ckpt_every == 0):
-            last_good = ck.save(opt, args.ckpt_dir, step, data_position(args, world))
+            last_good = ck.save(opt, args, step, world)
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
-    # Every rank's measurements, the largest over the ranks (-1: not measured). Under
-    # --max-memory, "used": the most this rank allocated above its runtime (CPU: the data size at
-    # its peak, memory.Watch; CUDA: the allocator's own peak).
+    # Every rank's measurements, the largest over the ranks (-1: not measured). "used": the most
+    # allocated above the runtime (CPU: the data size at its peak, memory.Watch; CUDA: reserved).
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     peak, built = getattr(opt, "peak", {}), getattr(opt, "build_peak", {})
     mine = {**{("mem", k): v for k, v in mem.items()}, **{("peak", k): peak.get(k, -1) for k in mem},
@@ -1898,27 +1736,6 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
         res[kind] = {k: most[kind, k] for k in mem}
     res["peak"] = res["peak"] if res["peak"]["params"] >= 0 else None
     return res
-
-
-def data_position(args, world):
-    """What decides which rows step k trains on; equal in a resumed run means the same batches."""
-    return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
-            "grad_accum": args.grad_accum,
-            "data": os.path.basename(args.data) if args.data else "corpus"}
-
-
-def read_state_dict(path):
-    """--init-from: a plain state_dict file (what --consolidate writes, or
-    torch.save(model.state_dict())), memory-mapped: its pages are read only where used."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
-                         f"({type(e).__name__}: {' '.join(lines)[:200]})") from None
-    if not isinstance(state, dict):
-        raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
-    return state
 
 
 def report(res, args):
@@ -2035,8 +1852,8 @@ def positive(kind):
 
 def training_parser(description):
     p = Parser(description=description)
-    p.add_argument("--stage", type=int, default=3, choices=range(4),
-                   help="0 data parallel, 1-3 ZeRO")
+    add = p.add_argument
+    add("--stage", type=int, default=3, choices=range(4), help="0 data parallel, 1-3 ZeRO")
     for flag, kind, default, text in [
             ("--steps", int, 30, "optimizer steps to train"),
             ("--n-layer", int, 4, "transformer blocks"), ("--d-model", int, 64, "width"),
@@ -2046,18 +1863,16 @@ def training_parser(description):
             ("--lr", float, 3e-3, "AdamW's learning rate; applied also when resuming"),
             ("--timeout", float, 600, f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} "
                                       f"to {TIMEOUTS[1]:g}")]:
-        p.add_argument(flag, type=positive(kind), default=default, help=text)
-    p.add_argument("--seed", type=int, default=0,
-                   help=f"seeds the weights and the batches, 0 to {SEEDS - 1}")
-    p.add_argument("--data", metavar="FILE",
-                   help="train on this file's bytes (default: corpus(), text made by zero.py)")
-    p.add_argument("--clip", type=float, default=1.0,
-                   help="global gradient-norm clip; 0 turns it off")
-    p.add_argument("--backend", choices=["nccl", "gloo"],
-                   help="(default: nccl if every local rank has a GPU of its own, else gloo)")
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   help="(default: cuda if every local rank has a GPU of its own and --backend "
-                        "is not gloo, else cpu)")
+        add(flag, type=positive(kind), default=default, help=text)
+    add("--seed", type=int, default=0, help=f"seeds the weights and the batches, 0 to {SEEDS - 1}")
+    add("--data", metavar="FILE",
+        help="train on this file's bytes (default: corpus(), text made by zero.py)")
+    add("--clip", type=float, default=1.0, help="global gradient-norm clip; 0 turns it off")
+    add("--backend", choices=["nccl", "gloo"],
+        help="(default: nccl if every local rank has a GPU of its own, else gloo)")
+    add("--device", choices=["cpu", "cuda"],
+        help="(default: cuda if every local rank has a GPU of its own and --backend is not gloo, "
+             "else cpu)")
     for flag, text in [
             ("--skip-nonfinite", "skip a step whose loss or gradient norm is not finite (inf, "
                                  "nan) and go on, instead of stopping the run there"),
@@ -2066,37 +1881,34 @@ def training_parser(description):
                              "prefetch"),
             ("--no-step-check", "skip the per-step check that ranks communicated the same units "
                                 "(one 16-byte all_reduce a step)")]:
-        p.add_argument(flag, action="store_true", help=text)
-    p.add_argument("--bucket-mb", type=float, default=0,
-                   help="stages 0-2: cut the parameters into buckets of this many MiB (DDP: 25; "
-                        "0: each unit its own bucket)")
-    p.add_argument("--shard-size", type=positive(int),
-                   help="hybrid sharding: stages 1-3 shard over groups of G consecutive ranks, "
-                        "replicated across the N/G groups (default: N, every rank)")
-    p.add_argument("--init-from", metavar="FILE",
-                   help="start from a plain state_dict file, e.g. from --consolidate "
-                        "(default: a fresh model)")
-    p.add_argument("--resume-from", metavar="DIR",
-                   help="continue the run of a checkpoint, zero.py's or FSDP2's (DCP), of any "
-                        "stage and world size: DIR, or the newest in DIR; a checkpoint in "
-                        "--ckpt-dir comes first (default: none)")
-    p.add_argument("--ckpt-dir",
-                   help="write checkpoints here and resume from the newest complete one; one job "
-                        "per directory (default: no checkpoints)")
-    p.add_argument("--ckpt-every", type=positive(int),
-                   help="steps between checkpoints (default: after the last step only)")
-    p.add_argument("--max-memory", type=lambda text: _memory().memory_size(text), metavar="SIZE",
-                   help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its "
-                        "runtime, enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on "
-                        "a GPU; running out is one line, exit code 4 (default: no limit)")
+        add(flag, action="store_true", help=text)
+    add("--bucket-mb", type=float, default=0,
+        help="stages 0-2: cut the parameters into buckets of this many MiB (DDP: 25; 0: each "
+             "unit its own bucket)")
+    add("--shard-size", type=positive(int),
+        help="hybrid sharding: stages 1-3 shard over groups of G consecutive ranks, replicated "
+             "across the N/G groups (default: N, every rank)")
+    add("--init-from", metavar="FILE",
+        help="start from a plain state_dict file, e.g. from --consolidate (default: a fresh model)")
+    add("--resume-from", metavar="DIR",
+        help="continue the run of a checkpoint, zero.py's or FSDP2's (DCP), of any stage and "
+             "world size: DIR, or the newest in DIR; a checkpoint in --ckpt-dir comes first "
+             "(default: none)")
+    add("--ckpt-dir", help="write checkpoints here and resume from the newest complete one; one "
+                           "job per directory (default: no checkpoints)")
+    add("--ckpt-every", type=positive(int),
+        help="steps between checkpoints (default: after the last step only)")
+    add("--max-memory", type=lambda text: _memory().memory_size(text), metavar="SIZE",
+        help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its runtime, "
+             "enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on a GPU; running out is "
+             "one line, exit code 4 (default: no limit)")
     p.set_defaults(record_step=None)  # --timeline: the step whose events are recorded
     return p
 
 
 SEEDS = 2**32  # --seed: 0 to 2**32 - 1 (get_batch multiplies it into a 64-bit generator seed)
 TIMEOUTS = (1, 1e7)  # --timeout, seconds: below 1 s set-up fails; timedelta and c10d overflow
-# (--timeout's default, 600 s, torch's NCCL one, leaves room for the longest wait this program
-# makes: the others waiting in a collective while rank 0 writes a checkpoint's manifest)
+# (the default, 600 s as NCCL's, outlasts the longest wait: rank 0 writing a checkpoint's manifest)
 
 
 def check_args(args):
@@ -2131,27 +1943,24 @@ def check_args(args):
 
 def main(argv=None):
     p = training_parser("Data parallel and ZeRO-1/2/3 from raw torch.distributed collectives.")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the per-rank memory formula and exit")
-    p.add_argument("--params", type=positive(float),
-                   help="Ψ for --estimate, e.g. 7.5e9 (default: none, --estimate needs it)")
-    p.add_argument("--world-size", type=positive(int),
-                   help="N for --estimate and --largest-model (default: none, they need it)")
-    p.add_argument("--largest-model", action="store_true",
-                   help="find the largest demo GPT (more blocks) each stage trains within "
-                        "--max-memory on --world-size ranks, launching the trials itself")
-    p.add_argument("--consolidate", metavar="DIR",
-                   help="write the newest checkpoint in DIR (or DIR itself, a checkpoint) as one "
-                        "plain state_dict (--out) and exit (default: train)")
-    p.add_argument("--out", metavar="FILE",
-                   help="--consolidate: the file to write, .pt, .safetensors or .dcp (default: "
-                        "none)")
-    p.add_argument("--timeline", metavar="FILE.svg",
-                   help="draw the model-state bytes after every event of the last step "
-                        "(default: none)")
-    p.add_argument("--timeline-all", metavar="FILE.svg",
-                   help="train stages 0-3 in turn and draw their timelines side by side "
-                        "(default: none)")
+    add = p.add_argument
+    add("--estimate", action="store_true", help="print the per-rank memory formula and exit")
+    add("--params", type=positive(float),
+        help="Ψ for --estimate, e.g. 7.5e9 (default: none, --estimate needs it)")
+    add("--world-size", type=positive(int),
+        help="N for --estimate and --largest-model (default: none, they need it)")
+    add("--largest-model", action="store_true",
+        help="find the largest demo GPT (more blocks) each stage trains within --max-memory on "
+             "--world-size ranks, launching the trials itself")
+    add("--consolidate", metavar="DIR",
+        help="write the newest checkpoint in DIR (or DIR itself, a checkpoint) as one plain "
+             "state_dict (--out) and exit (default: train)")
+    add("--out", metavar="FILE",
+        help="--consolidate: the file to write, .pt, .safetensors or .dcp (default: none)")
+    add("--timeline", metavar="FILE.svg",
+        help="draw the model-state bytes after every event of the last step (default: none)")
+    add("--timeline-all", metavar="FILE.svg",
+        help="train stages 0-3 in turn and draw their timelines side by side (default: none)")
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
         _memory().check_timeline_args(args)
@@ -2173,7 +1982,9 @@ def main(argv=None):
             raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
         names = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
         given = any(len(n) > 2 and "--stage".startswith(n) for n in names)  # (or abbreviated)
-        estimate(args.params, args.world_size, args.shard_size, [args.stage] if given else range(4))
+        import tradeoffs  # a file of its own
+        tradeoffs.estimate(args.params, args.world_size, args.shard_size,
+                           [args.stage] if given else range(4))
     elif args.consolidate:
         _checkpoints().consolidate_command(args)
     elif args.largest_model:
@@ -2189,14 +2000,9 @@ def main(argv=None):
                 _memory().show_timeline([_memory().timeline_panel(res, args)], args.timeline)
 
 
-PEER_FAILURES = ("gloo/transport", "Connection reset", "Connection closed", "Timed out",
-                 "timed out", "NCCL")
-
-
 def run(main, argv=None):
-    """Run a command-line main (`def main():`, or `def main(argv):` given argv): bad input is
-    one line and exit code 2; a run stopped by a loss or gradient norm that is not finite, one
-    line and exit code 3; a rank out of memory, one line (that rank's) and exit code 4."""
+    """Run a command-line main (`def main():`, or `def main(argv):` given argv): bad input, a
+    loss or norm not finite, a rank out of memory (its own) are one line, exit code 2, 3, 4."""
     import inspect  # a script's `def main():` takes nothing; zero.py's own main takes argv
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
@@ -2205,8 +2011,8 @@ def run(main, argv=None):
     except (UsageError, Diverged) as e:
         code, line = (2 if isinstance(e, UsageError) else 3), f"error: {e}" * rank0
     except ValueError as e:
-        # wrap's own checks ("zero: ranks disagree: ..." on every rank, before any training) are
-        # about what the ranks were told to run, not bugs: one line. Any other ValueError is a bug.
+        # wrap's own checks ("zero: ranks disagree: ...", on every rank before training) are not
+        # bugs but what the ranks were told to run: one line. Any other ValueError is a bug.
         if not str(e).startswith("zero: "):
             raise
         code, line = 2, f"error: {str(e)[len('zero: '):]}" * rank0
@@ -2218,7 +2024,9 @@ def run(main, argv=None):
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
-        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in PEER_FAILURES):
+        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in (
+                "gloo/transport", "Connection reset", "Connection closed", "Timed out",
+                "timed out", "NCCL")):
             raise
         code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
                          f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})")
@@ -2228,29 +2036,25 @@ def run(main, argv=None):
         say(f"{prog}: {line}")
     if dist.is_initialized() and code not in (1, 4, 130):
         dist.destroy_process_group()
-    # Leave without the interpreter's teardown. With torch 2.13's gloo, a worker thread can still be
-    # releasing the tensors of the last collective while Python shuts down, and the process then
-    # aborts ("terminate called without an active exception") after a run that succeeded.
+    # No interpreter teardown: a gloo thread (torch 2.13) may still be releasing the last
+    # collective's tensors, and a good run aborts ("terminate called without an active exception").
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _checkpoints():
-    """checkpoints.py, a file of its own: imported where a checkpoint is first needed."""
+def _checkpoints():  # checkpoints.py and memory.py, files of their own, imported where needed
     import checkpoints
     return checkpoints
 
 
 def _memory():
-    """memory.py, a file of its own: imported at the flags that need it."""
     import memory
     return memory
 
 
 def say(line):
-    """One line on stderr in one write: the ranks of a job share it, and print() writes the
-    line and its newline apart, so two ranks' lines could run into one."""
+    """One line on stderr in one write: the ranks share it; print() writes the newline apart."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
