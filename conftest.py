@@ -512,6 +512,7 @@ def full_checkpoint(path):
 # line below is a zero.main call with the arguments the command line would get, in processes that
 # torchrun started, as `torchrun zero.py ARGS` runs it). Rank 0 prints a line "=== name" first.
 CLI_RUNS = [(f"stage {stage}", ["--stage", str(stage), *SMALL]) for stage in range(4)] + [
+    ("tradeoffs", ["--tradeoffs", *SMALL]),  # test_tradeoffs.py: the stages' runs again
     ("max-memory", ["--stage", "3", *SMALL, "--max-memory", "300MB"])]  # last: the limit stays
 CLI_DRIVER = """
 def main():  # as a user writes it: zero.run(main) calls it without argv

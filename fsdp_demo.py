@@ -501,6 +501,8 @@ def main(argv=None):
                            (args.shard_size, "--shard-size is FSDP2 on a 2-D mesh (HSDP) here")]:
             if used:
                 raise zero.UsageError(f"{what}: stages 2 and 3 only, not --bench")
+    if args.units != "block":  # FSDP2 is given one unit per block, DDP buckets its own
+        raise zero.UsageError("--units is zero.py's: fsdp_demo.py shards one unit per block")
     if args.ckpt_dir and args.compare:  # (at stages 0, 1 or with --bench: refused above)
         raise zero.UsageError("--ckpt-dir is not for --compare: both runs would write there")
     if args.bench:

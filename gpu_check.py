@@ -1,7 +1,7 @@
 """
 gpu_check.py: the first thing to run on a machine with one GPU or several.
 
-    python gpu_check.py            # about 10 minutes on one GPU; prints a table, exit 1 on a failure
+    python gpu_check.py  # about 10 minutes on one GPU; prints a table, exit 1 on a failure
 
 Each line of the table is one check, run as a user would run it, with what it must show:
   - the test suite's CUDA cases (python -m pytest -k cuda): every stage against the CPU

@@ -48,9 +48,11 @@ import torch.nn.functional as F
 
 import checkpoints
 import zero
-from conftest import (B, CASES, CKPT, CUDA_RUNS, SMALL, STEPS, TINY, Net, assert_trains_like, full_checkpoint, launcher_script,
-                      losses, main_printed, main_refused, run_id, run_py, run_steps, scenario, wrapped)
-from test_zero import TASKS_OPTIMIZER, Tasks, TwoDtypes, tasks_reference, tasks_steps, two_dtypes_steps
+from conftest import (B, CASES, CKPT, CUDA_RUNS, SMALL, STEPS, TINY, Net, assert_trains_like,
+                      full_checkpoint, launcher_script, losses, main_printed, main_refused, run_id,
+                      run_py, run_steps, scenario, wrapped)
+from test_zero import (TASKS_OPTIMIZER, Tasks, TwoDtypes, tasks_reference, tasks_steps,
+                       two_dtypes_steps)
 
 RUNS = [("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS]
 
@@ -80,7 +82,8 @@ def resumed(rank, world):
         own_resumed = opt.full_state_dict()
         try:  # another rank's part (given to the last rank only: every rank refuses), or stage's
             opt.load_state_dict(dict(own, rank=0) if world > 1 and rank == world - 1 else own
-                                if world > 1 else dict(own, layout=dict(own["layout"], stage=stage - 1)))
+                                if world > 1
+                                else dict(own, layout=dict(own["layout"], stage=stage - 1)))
             refused = None
         except checkpoints.CheckpointError as e:
             refused = str(e)
@@ -100,9 +103,12 @@ def test_resume_from_state_dict_is_exact(ran, run, stage):
     results, cuda = ran(resumed, run[1], run[0]), run[0] != "cpu"
     for res in results:
         r = res[(stage, "resume")]
-        assert_trains_like(r["resumed"], r["straight"], cuda, tol=0)  # bit for bit (on a GPU: see there)
-        assert_trains_like(r["own"], r["straight"], cuda, tol=0)  # opt.load_state_dict(opt.state_dict())
-        assert any(not torch.equal(t, r["moved"][n]) for n, t in r["straight"].items() if "frozen" not in n)
+        # bit for bit (on a GPU: see there)
+        assert_trains_like(r["resumed"], r["straight"], cuda, tol=0)
+        # opt.load_state_dict(opt.state_dict())
+        assert_trains_like(r["own"], r["straight"], cuda, tol=0)
+        assert any(not torch.equal(t, r["moved"][n]) for n, t in r["straight"].items()
+                   if "frozen" not in n)
         assert r["refused"] and "load_checkpoint" in r["refused"]
 
 
@@ -135,13 +141,15 @@ def test_parameters_stepped_apart_checkpoint_exactly(ran, shared):
     for res in ran(stepped_apart, 2):
         for name, t in tasks_reference(2).items():
             assert (res[name] - t).abs().max().item() <= 1e-5, name
-    steps = lambda ckpt: {n: int(s["step"]) for n, s in full_checkpoint(os.path.join(shared, "tasks", ckpt))["scalars"].items()}
+    steps = lambda ckpt: {n: int(s["step"]) for n, s in
+                          full_checkpoint(os.path.join(shared, "tasks", ckpt))["scalars"].items()}
     names = set(tasks_reference(2))
     assert steps("step_00000001") == {n: 1 for n in names if not n.startswith(("aux", "rare"))}
     fewer = {"aux.weight": 1, "aux.bias": 1, "rare.weight": 2, "rare.bias": 2, "first.weight": 2}
     assert steps("step_00000003") == {n: fewer.get(n, 3) for n in names}
     state = full_checkpoint(os.path.join(shared, "tasks", "step_00000001"))
-    assert all(state[key, "aux.weight"].abs().sum() == 0 for key in ("exp_avg", "exp_avg_sq"))  # no state: zeros
+    # no state: zeros
+    assert all(state[key, "aux.weight"].abs().sum() == 0 for key in ("exp_avg", "exp_avg_sq"))
 
 
 @scenario(3)
@@ -154,7 +162,8 @@ def two_dtypes_resumed(rank, world):
         runs = []
         for steps in (range(2), range(1), range(1, 2)):  # straight; to the checkpoint; from it
             model = TwoDtypes()
-            opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), bucket_bytes=1 << 20)
+            opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                            bucket_bytes=1 << 20)
             if steps.start == 1:
                 checkpoints.load_checkpoint(opt, checkpoints.latest_checkpoint(root))
             two_dtypes_steps(model, opt, rows, world, steps)
@@ -169,7 +178,8 @@ def test_a_model_in_two_dtypes_resumes_exactly(ran):
     for res in ran(two_dtypes_resumed, 3):
         for stage in range(3):
             straight, resumed = res[stage]
-            assert straight["a.weight"].dtype == torch.float64 and straight["b.weight"].dtype == torch.float32
+            assert (straight["a.weight"].dtype == torch.float64
+                    and straight["b.weight"].dtype == torch.float32)
             assert all(torch.equal(straight[n], resumed[n]) for n in straight), stage
 
 
@@ -232,13 +242,15 @@ def reshard_write(rank, world):
     zero.PIECE = {"cpu": 7, "cuda": 7}
     model, opt = wrapped(rank, 3, "adamw", seed=100)
     train_rows(model, opt, rank, world, 2, 0)
-    checkpoints.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2, extra={"note": "from N=4"})
+    checkpoints.save_checkpoint(opt, os.path.join(os.environ["ZERO_TEST_TMP"], "a"), 2,
+                                extra={"note": "from N=4"})
     train_rows(model, opt, rank, world, 2, 2)
     return opt.full_state_dict()
 
 
 def _load_fresh(rank, stage, path, **kwargs):
-    model, opt = wrapped(rank, stage, "adamw", seed=500 + rank, **kwargs)  # other weights on each rank
+    # other weights on each rank
+    model, opt = wrapped(rank, stage, "adamw", seed=500 + rank, **kwargs)
     manifest = checkpoints.load_checkpoint(opt, path)
     return model, opt, manifest
 
@@ -256,7 +268,8 @@ def reshard_read(rank, world):
     source = os.path.join(tmp, "a" if world == 2 else "b1", "step_00000002")
     for stage in range(4):
         model, opt, manifest = _load_fresh(rank, stage, source)
-        checkpoints.save_checkpoint(opt, os.path.join(tmp, f"{'b' if world == 2 else 'c'}{stage}"), 2)
+        checkpoints.save_checkpoint(
+            opt, os.path.join(tmp, f"{'b' if world == 2 else 'c'}{stage}"), 2)
         train_rows(model, opt, rank, world, 2, 2)
         out[stage] = {"full": opt.full_state_dict(), "extra": manifest["extra"]}
     if world == 2:
@@ -282,8 +295,10 @@ def reshard_read(rank, world):
             except checkpoints.CheckpointError as e:
                 out["refused"][bad] = str(e)
             after = opt.full_state_dict()
-            out.setdefault("unchanged", []).append(all(torch.equal(before[n], after[n]) for n in before))
-        others = {"another model": lambda: zero.wrap(nn.Sequential(nn.Linear(4, 4)), 2, CASES["adamw"]["optimizer"]),
+            out.setdefault("unchanged", []).append(all(torch.equal(before[n], after[n])
+                                                       for n in before))
+        others = {"another model": lambda: zero.wrap(nn.Sequential(nn.Linear(4, 4)), 2,
+                                                     CASES["adamw"]["optimizer"]),
                   "another optimizer": lambda: wrapped(rank, 2, "sgd", seed=100)[1]}
         for what, build in others.items():
             try:
@@ -329,8 +344,10 @@ def test_reshard_keeps_every_parameter_and_optimizer_value(resharded, stage):
         assert {k[0] for k in want if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
         for key in want:
             if key == "scalars":  # each of the 12 trainable parameters stepped twice
-                floats = lambda scalars: {n: {k: float(v) for k, v in s.items()} for n, s in scalars.items()}
-                assert floats(got[key]) == floats(want[key]) == {n: {"step": 2.0} for n in want[key]}
+                floats = lambda scalars: {n: {k: float(v) for k, v in s.items()}
+                                          for n, s in scalars.items()}
+                assert (floats(got[key]) == floats(want[key])
+                        == {n: {"step": 2.0} for n in want[key]})
                 assert len(want[key]) == 12
             else:
                 assert torch.equal(got[key], want[key]), (name, key)
@@ -353,7 +370,8 @@ def test_reshard_trains_on_as_if_nothing_changed(resharded, stage):
 
 def test_checkpoints_with_bf16_compute_and_without_optimizer_state(resharded):
     want, got = resharded["states"]["a"], resharded["states"]["bf16"]
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want if k != "scalars")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k])
+                                         for k in want if k != "scalars")
     before, after = resharded["two"]["sgd"]
     assert all(torch.equal(before[n], after[n]) for n in before)
 
@@ -362,7 +380,8 @@ def test_bad_checkpoints_are_refused_before_anything_changes(resharded):
     refused = resharded["two"]["refused"]
     assert "corrupt" in refused["corrupt"] and "rank_00002.pt" in refused["corrupt"]
     assert "truncated" in refused["truncated"] and "rank_00003.pt" in refused["truncated"]
-    assert resharded["two_rank1"]["refused"] == refused  # the same message on both ranks, whichever found it
+    # the same message on both ranks, whichever found it
+    assert resharded["two_rank1"]["refused"] == refused
     assert "missing" in refused["missing"] and "rank_00001.pt" in refused["missing"]
     assert "no manifest.json" in refused["incomplete"]
     assert "another model" in refused["another model"] and "'0.weight'" in refused["another model"]
@@ -392,7 +411,8 @@ save = checkpoints.save_checkpoint
 
 def save_then_die(opt, root, step, **kwargs):
     save(opt, root, step, **kwargs)  # returns once the checkpoint is complete, on every rank
-    if step == 4 and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if (step == 4 and os.environ["RANK"] == "1"
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -411,16 +431,20 @@ def test_a_killed_rank_restarts_and_resumes_exactly(ran, shared, tmp_path):
     # (Before zero.setup prefixed the store's keys by the restart attempt, the restarted ranks
     # here read the dead ranks' addresses and waited for ever: see zero._attempt_store.)
     out = run_py(*CKPT, "--steps", str(KILLED_STEPS), "--ckpt-every", "4", "--ckpt-dir", ckpt,
-                 script=launcher_script(tmp_path / "killed.py", KILLER), torchrun=2, torchrun_args=["--max-restarts=1"])
+                 script=launcher_script(tmp_path / "killed.py", KILLER), torchrun=2,
+                 torchrun_args=["--max-restarts=1"])
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = re.findall(r"^resumed from .*step_(\d+): step (\d+)", out.stdout, re.M)
     assert resumed == [("00000004", "4")], out.stdout[-2000:]
     # steps 1-4 before the kill, 5-12 after the restart: none trained twice, none skipped
-    assert re.findall(r"^step +(\d+) \|", out.stdout, re.M) == [str(s) for s in range(1, KILLED_STEPS + 1)]
+    assert (re.findall(r"^step +(\d+) \|", out.stdout, re.M)
+            == [str(s) for s in range(1, KILLED_STEPS + 1)])
     assert losses(out.stdout)[-1] == losses(ran(straight, 2)[0])[-1]
-    a, b = (full_checkpoint(checkpoints.latest_checkpoint(path)) for path in (ckpt, os.path.join(shared, "straight")))
+    a, b = (full_checkpoint(checkpoints.latest_checkpoint(path))
+            for path in (ckpt, os.path.join(shared, "straight")))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a if k != "scalars")
-    assert a["scalars"] == b["scalars"] and {k[0] for k in a if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"}
+    assert (a["scalars"] == b["scalars"]
+            and {k[0] for k in a if k != "scalars"} == {"master", "exp_avg", "exp_avg_sq"})
     assert sorted(os.listdir(ckpt)) == ["step_00000008", "step_00000012"]  # the newest two are kept
 
 
@@ -458,32 +482,41 @@ def test_consolidate_and_init_from(one_process):
     model = zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head)
     model.load_state_dict(state)  # strict: every key of the model, nothing else
     assert torch.equal(state["head.weight"], state["wte.weight"])
-    assert os.path.getsize(model_file) < 4 * 1.2 * sum(t.numel() for t in state.values())  # no parts
+    # no parts
+    assert os.path.getsize(model_file) < 4 * 1.2 * sum(t.numel() for t in state.values())
     torch.manual_seed(a.seed)  # the weights a run starts from without --init-from
     untrained = zero.GPT(a.seq_len, a.d_model, a.n_layer, a.n_head)
     data = zero.demo_data()
     x, y = zero.get_batch(data, 1, 0, 0, 1, a.batch_size, a.seq_len, a.seed)
     with torch.no_grad():
-        want, fresh = (F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for m in (model, untrained))
+        want, fresh = (F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item()
+                       for m in (model, untrained))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert abs(losses(out.stdout)[0] - want) < 1e-5 and want < fresh - 0.1  # trained weights, not a fresh model
-    # the same tensors, under the same keys, as safetensors' own loader and torch's DCP converter read them
+    # trained weights, not a fresh model
+    assert abs(losses(out.stdout)[0] - want) < 1e-5 and want < fresh - 0.1
+    # the same tensors, under the same keys, as safetensors' own loader and torch's DCP converter
+    # read them
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     converted = os.path.join(str(folder) + "-from-dcp.pt")
     dcp_to_torch_save(os.path.join(folder, "model.dcp"), converted)
-    for other in (load_file(os.path.join(folder, "model.safetensors")), torch.load(converted, weights_only=True)):
-        assert sorted(other) == sorted(state) and all(torch.equal(other[k], state[k]) for k in state)
+    for other in (load_file(os.path.join(folder, "model.safetensors")),
+                  torch.load(converted, weights_only=True)):
+        assert sorted(other) == sorted(state) and all(torch.equal(other[k], state[k])
+                                                      for k in state)
 
 
 def checkpoint_error_cases(tmp):
     ckpt, plain = os.path.join(tmp, "straight"), os.path.join(tmp, "plain.pt")
     return [(["--d-model", "64", "--ckpt-dir", ckpt], "checkpoint is for another model"),
-            (["--init-from", plain], "--init-from"), (["--init-from", os.path.join(tmp, "none.pt")], "No such file"),
+            (["--init-from", plain], "--init-from"),
+            (["--init-from", os.path.join(tmp, "none.pt")], "No such file"),
             (["--consolidate", tmp], "needs --out"),
-            (["--consolidate", os.path.join(tmp, "empty"), "--out", plain], "no complete checkpoint"),
+            (["--consolidate", os.path.join(tmp, "empty"), "--out", plain],
+             "no complete checkpoint"),
             (["--consolidate", plain, "--out", plain + ".out.pt"], "not a directory"),
-            (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out.pt"], "no such directory"),
+            (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out.pt"],
+             "no such directory"),
             (["--consolidate", ckpt, "--out", plain + ".out"], "name a .pt or .safetensors file"),
             (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
 
@@ -496,7 +529,8 @@ def cli_errors(rank, world):
         torch.save({"x": torch.zeros(2)}, os.path.join(tmp, "plain.pt"))
         os.makedirs(os.path.join(tmp, "empty"), exist_ok=True)
     dist.barrier()
-    return [main_refused(zero.main, [*CKPT, "--steps", "2", *args]) for args, _ in checkpoint_error_cases(tmp)]
+    return [main_refused(zero.main, [*CKPT, "--steps", "2", *args])
+            for args, _ in checkpoint_error_cases(tmp)]
 
 
 def test_checkpoint_errors_are_one_line(ran, shared):
@@ -510,7 +544,8 @@ def test_checkpoint_errors_are_one_line(ran, shared):
             assert error and message in error and "\n" not in error, (args, error)
             assert "step    1 |" not in printed
     assert [e for e, _ in ran(cli_errors, 2)[0]] == [e for e, _ in ran(cli_errors, 2)[1]]
-    assert torch.load(os.path.join(shared, "plain.pt"), weights_only=True)["x"].shape == (2,)  # a failed run wrote nothing
+    # a failed run wrote nothing
+    assert torch.load(os.path.join(shared, "plain.pt"), weights_only=True)["x"].shape == (2,)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -620,8 +655,9 @@ def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys)
     assert "5 step(s) of 6 skipped" in capsys.readouterr().out
     five, six = (checkpoints.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
     assert all(torch.equal(a["master"], b["master"]) for a, b in zip(five["units"], six["units"]))
-    assert [s["step"] for s in five["param_scalars"].values()] == [s["step"] for s in six["param_scalars"].values()] \
-        == [1] * len(five["param_scalars"])  # one step applied in all
+    assert ([s["step"] for s in five["param_scalars"].values()]
+            == [s["step"] for s in six["param_scalars"].values()]
+            == [1] * len(five["param_scalars"]))  # one step applied in all
 
 
 def test_resume_applies_the_command_lines_lr(one_rank, tmp_path, capsys):
@@ -651,7 +687,8 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     assert checkpoints.latest_checkpoint(str(root)) == str(root / "step_00000008")
     zero.main(["--consolidate", str(root), "--out", str(tmp_path / "model.pt")])
     odd = ["step_", "step_000000009", "step_00000009.bak", "step_00000010", "step_9"]
-    checkpoints.save_checkpoint(opt, str(root), 2)  # lower than both: kept all the same, once written
+    # lower than both: kept all the same, once written
+    checkpoints.save_checkpoint(opt, str(root), 2)
     kept = ["step_00000002", "step_00000004", "step_00000008"]
     assert sorted(os.listdir(root)) == sorted(kept + odd)
     assert not leftover.exists() and not torn.exists()
@@ -694,10 +731,12 @@ def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path,
     fresh = wrapped(0, 1, "adamw", seed=500)[1]
     checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(root))
     assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
-    assert not torch.equal(seen[0], checkpoints.read_checkpoint(os.path.join(root, "step_00000001"))[1][0]["units"][0]["master"])
+    assert not torch.equal(seen[0], checkpoints.read_checkpoint(
+        os.path.join(root, "step_00000001"))[1][0]["units"][0]["master"])
     monkeypatch.setattr(checkpoints, "_json_lines", lambda d: full_disk(None, io.BytesIO()))
     run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(None), 1, 1, start=1)
-    with pytest.raises(checkpoints.CheckpointError, match="^step 1 not saved: rank 0: .*No space left"):
+    with pytest.raises(checkpoints.CheckpointError,
+                       match="^step 1 not saved: rank 0: .*No space left"):
         checkpoints.save_checkpoint(opt, root, 1)
     checkpoints.load_checkpoint(fresh, checkpoints.latest_checkpoint(root))
     assert all(torch.equal(fresh.full_state_dict()[n], t) for n, t in second.items())
@@ -705,8 +744,8 @@ def test_overwriting_a_checkpoint_of_the_same_step_is_atomic(one_rank, tmp_path,
 
 
 def test_a_dcp_checkpoint_saved_again_takes_its_name_in_one_step(tmp_path, monkeypatch):
-    # fsdp_demo.py's DCP saves (checkpoints.save_dcp) commit as save_checkpoint does: a step saved again
-    # is written whole beside the old one, which stays whole until the names are swapped.
+    # fsdp_demo.py's DCP saves (checkpoints.save_dcp) commit as save_checkpoint does: a step saved
+    # again is written whole beside the old one, which stays whole until the names are swapped.
     path, tmp = str(tmp_path / "step_00000003"), str(tmp_path / "step_00000003.partial")
     for d, what in ((path, "old"), (tmp, "new")):
         os.makedirs(d)
@@ -802,8 +841,10 @@ def test_dcps_own_errors_are_one_line(one_rank, tmp_path, monkeypatch):
     from torch.distributed.checkpoint.api import CheckpointException
 
     def fails(*args, **kwargs):
-        raise CheckpointException("save", {0: (ValueError("no such key"), traceback.extract_stack())})
+        raise CheckpointException("save", {0: (ValueError("no such key"),
+                                                traceback.extract_stack())})
     monkeypatch.setattr(dcp, "save", fails)
     with pytest.raises(checkpoints.CheckpointError,
-                       match=r"^step 1 not saved: rank 0: .*: ValueError: no such key; the checkpoints"):
+                       match=r"^step 1 not saved: rank 0: .*: ValueError: no such key; "
+                             r"the checkpoints"):
         checkpoints.save_dcp({"x": torch.zeros(2)}, str(tmp_path), 1, {}, torch.device("cpu"))

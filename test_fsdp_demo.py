@@ -62,14 +62,16 @@ def fsdp_scenarios(rank, world):
                     p.mul_(3)                 # rounding differs between the sides by ~1e-4)
             torch.save(other.state_dict(), path)
         dist.barrier()
-        out["--init-from"] = main_printed(fsdp_demo.main, ["--stage", "2", "--compare", *SMALL, "--init-from", path])
+        out["--init-from"] = main_printed(fsdp_demo.main, ["--stage", "2", "--compare", *SMALL,
+                                                           "--init-from", path])
     return out
 
 
 @scenario(2)
 def fsdp_bad_input(rank, world):
     import fsdp_demo
-    return [(args, *main_refused(fsdp_demo.main, args)) for args in (["--stage", "5"], ["--stage", "1", "--bf16"])]
+    return [(args, *main_refused(fsdp_demo.main, args))
+            for args in (["--stage", "5"], ["--stage", "1", "--bf16"])]
 
 
 @scenario(2)
@@ -96,11 +98,14 @@ def test_bench_prints_every_stage_against_pytorch(ran):
         assert " ".join(row[2:-8]) == name
         ms_torch, ms_zero, ratio = map(float, row[-8:-5])
         assert all(math.isfinite(x) and x >= 0 for x in (ms_torch, ms_zero, ratio))
-        # each column is rounded (ms to 0.05, the ratio to 5e-4): ratio x ms_torch is ms_zero to within
+        # each column is rounded (ms to 0.05, the ratio to 5e-4): ratio x ms_torch is
+        # ms_zero to within
         assert abs(ratio * ms_torch - ms_zero) <= 0.05 * (1 + ratio) + 5e-4 * ms_torch + 1e-4
-    state_torch, state_zero, sent_torch, sent_zero, formula = ([int(r[k].replace(",", "")) for r in rows] for k in range(-5, 0))
-    for stage in range(3):  # the formula, plus the squared norm for clipping (stages 1, 2: 2 x 1/2 x 4
-        # bytes) and the per-step check that ranks agree (2 x 1/2 x 16 bytes)
+    state_torch, state_zero, sent_torch, sent_zero, formula = (
+        [int(r[k].replace(",", "")) for r in rows] for k in range(-5, 0))
+    # the formula, plus the squared norm for clipping (stages 1, 2: 2 x 1/2 x 4 bytes) and the
+    # per-step check that ranks agree (2 x 1/2 x 16 bytes)
+    for stage in range(3):
         assert sent_zero[stage] - formula[stage] == (0 if stage == 0 else 4) + 16
     check = next(line for line in out.splitlines() if line.startswith("per-step check"))
     assert re.search(r"all_reduce\): \d+\.\d+ ms, \d+\.\d% of the tiny model's stage-0 step", check)
@@ -147,8 +152,10 @@ def test_pytorch_memory_and_communication(fsdp_ranks):
         theirs = res[stage]["theirs"]
         assert theirs["psi"] == psi
         # FSDP2 (stages 2, 3) shards parameters between steps; DDP and ZeroRedundancyOptimizer don't
-        assert theirs["mem"]["params"] == (4 * psi if stage < 2 else pytest.approx(4 * psi / world, rel=0.02))
-        assert theirs["mem"]["optimizer"] < 8 * psi * (0.6 if stage else 1.01)  # sharded from stage 1
+        assert theirs["mem"]["params"] == (4 * psi if stage < 2
+                                           else pytest.approx(4 * psi / world, rel=0.02))
+        # sharded from stage 1
+        assert theirs["mem"]["optimizer"] < 8 * psi * (0.6 if stage else 1.01)
     # DDP all-reduces 2Ψ(N-1)/N x 4 bytes per step (no_sync() for the first micro-batch); FSDP2
     # with reshard_after_forward=True gathers twice and reduce-scatters once per micro-batch:
     # 3Ψ(N-1)/N x 4 bytes each
@@ -158,7 +165,8 @@ def test_pytorch_memory_and_communication(fsdp_ranks):
 
 
 def test_fsdp_demo_compare_end_to_end(ran, shared):
-    # fsdp_demo.py --compare --stage 3 at N = 4: PyTorch's FSDP2, then zero.py's stage 3, side by side
+    # fsdp_demo.py --compare --stage 3 at N = 4: PyTorch's FSDP2, then zero.py's stage 3,
+    # side by side
     out = ran(fsdp_scenarios, 4)[0]["--compare"]
     assert "zero.py vs PyTorch, stage 3" in out and "largest parameter difference" in out
     diff = float(re.search(r"largest loss difference (\S+)", out).group(1))
@@ -175,9 +183,11 @@ def test_fsdp_demo_compare_end_to_end(ran, shared):
     data = zero.demo_data()
     batches = [zero.get_batch(data, 1, 0, r, 2, a.batch_size, a.seq_len, a.seed) for r in range(2)]
     with torch.no_grad():
-        want, other = (sum(F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / 2
+        want, other = (sum(F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item()
+                           for x, y in batches) / 2
                        for m in (pretrained, fresh))
-    assert first[0] == first[1] and abs(first[0] - want) < 1e-4 < 1e-2 < abs(want - other), (first, want, other)
+    assert (first[0] == first[1]
+            and abs(first[0] - want) < 1e-4 < 1e-2 < abs(want - other)), (first, want, other)
 
 
 def test_fsdp_demo_bf16_and_bad_input(ran, refused):
@@ -187,7 +197,8 @@ def test_fsdp_demo_bf16_and_bad_input(ran, refused):
     code, out, err, message = refused["fsdp_demo.py"]
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"fsdp_demo.py: error: {message}") and "Traceback" not in err + out
-    for answers in ran(fsdp_bad_input, 2):  # and each bad input, as fsdp_demo.main raises it on every rank
+    # and each bad input, as fsdp_demo.main raises it on every rank
+    for answers in ran(fsdp_bad_input, 2):
         assert [args for args, _, _ in answers] == [["--stage", "5"], ["--stage", "1", "--bf16"]]
         for args, message, printed in answers:
             assert message and "\n" not in message and printed == "", (args, message)
@@ -240,7 +251,8 @@ def moving_write(rank, world):
     tmp = os.environ["ZERO_TEST_TMP"]
     ours, theirs = (1, 3) if world == 4 else (0, 2)
     with contextlib.redirect_stdout(io.StringIO()):
-        zero.train(move_args(world, ours, 1, ckpt_dir=os.path.join(tmp, f"zero{world}")), quiet=True)
+        zero.train(move_args(world, ours, 1, ckpt_dir=os.path.join(tmp, f"zero{world}")),
+                   quiet=True)
         zero.train(move_args(world, theirs, 1, ckpt_dir=os.path.join(tmp, f"fsdp{world}")),
                    fsdp_demo.pytorch(move_args(world, theirs, 1), world), quiet=True)
         if world == 4:  # HSDP (a 2-D mesh: 2 groups of 2) continues zero.py's stage-1 run, as does
@@ -257,7 +269,8 @@ def moving(rank, world):
     """Each direction continued for 2 steps on both sides (fsdp_demo.compare: FSDP2, then zero.py
     at the same stage), and the state each side holds right after loading."""
     import fsdp_demo
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
     tmp, other, out = os.environ["ZERO_TEST_TMP"], 6 - world, {}
     stage = 2 if world == 2 else 3
     for source in ("zero", "fsdp"):
@@ -271,10 +284,12 @@ def moving(rank, world):
     with torch.device("meta"):
         model = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
     optimizer = fsdp_demo.parallelize(model, args, conftest.DEVICE)[1]
-    fsdp_demo.Torch(model, optimizer, world).load_checkpoint(checkpoints.latest_checkpoint(os.path.join(tmp, f"zero{other}")))
+    fsdp_demo.Torch(model, optimizer, world).load_checkpoint(
+        checkpoints.latest_checkpoint(os.path.join(tmp, f"zero{other}")))
     full = StateDictOptions(full_state_dict=True)
     state = get_optimizer_state_dict(model, optimizer, options=full)["state"]
-    out["fsdp_loaded"] = {**{("master", n): t for n, t in get_model_state_dict(model, options=full).items()},
+    out["fsdp_loaded"] = {**{("master", n): t
+                             for n, t in get_model_state_dict(model, options=full).items()},
                           **{(k, n): v for n, st in state.items() for k, v in st.items()}}
     # zero.py right after loading FSDP2's: saved again at once, for the test to read
     with torch.device("meta"):
@@ -305,7 +320,8 @@ def test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses(moved, world):
         assert max(abs(a - b) for a, b in zip(r["theirs"], r["ours"])) <= 1e-5, (source, r)
     assert res["zero"]["theirs"][-1] < 5.5  # trained weights, not fresh ones (ln 256 = 5.55)
     hsdp = moved["hsdp"]
-    assert hsdp["first"] == 2 and max(abs(a - b) for a, b in zip(hsdp["theirs"], hsdp["ours"])) <= 1e-5
+    assert (hsdp["first"] == 2
+            and max(abs(a - b) for a, b in zip(hsdp["theirs"], hsdp["ours"])) <= 1e-5)
 
 
 def test_moving_refuses_bad_input_in_one_line(ran, shared, one_rank, tmp_path):
@@ -313,7 +329,8 @@ def test_moving_refuses_bad_input_in_one_line(ran, shared, one_rank, tmp_path):
     # written in --ckpt-dir, the source as it was
     import fsdp_demo
     ran(moving_write, 4)  # its checkpoints
-    dcp_dir, zero_dir = (checkpoints.latest_checkpoint(os.path.join(shared, name)) for name in ("fsdp4", "zero4"))
+    dcp_dir, zero_dir = (checkpoints.latest_checkpoint(os.path.join(shared, name))
+                         for name in ("fsdp4", "zero4"))
     for bad in ("torn", "truncated"):
         shutil.copytree(dcp_dir, tmp_path / bad)
     os.remove(tmp_path / "torn" / checkpoints.DCP_MARKER)
@@ -321,13 +338,18 @@ def test_moving_refuses_bad_input_in_one_line(ran, shared, one_rank, tmp_path):
     (tmp_path / "neither").mkdir()
     (tmp_path / "neither" / "notes.txt").write_text("not a checkpoint")
     with contextlib.redirect_stdout(io.StringIO()):
-        zero.main(["--consolidate", zero_dir, "--out", str(tmp_path / "weights.dcp")])  # weights only
+        # weights only
+        zero.main(["--consolidate", zero_dir, "--out", str(tmp_path / "weights.dcp")])
     before = sorted(os.listdir(dcp_dir))
     cases = [(zero.main, ["--resume-from", str(tmp_path / "neither")], "not a checkpoint"),
-             (zero.main, ["--d-model", "32", "--resume-from", dcp_dir], "another model: tensor 'wte.weight' is [256, 16] there, [256, 32] here"),
-             (fsdp_demo.main, ["--stage", "2", "--n-layer", "1", "--resume-from", zero_dir], "another model: tensor 'blocks.1."),
-             (zero.main, ["--resume-from", str(tmp_path / "weights.dcp")], "holds no optimizer state"),
-             (zero.main, ["--resume-from", str(tmp_path / "torn")], "complete.json: missing: the DCP checkpoint is torn"),
+             (zero.main, ["--d-model", "32", "--resume-from", dcp_dir],
+              "another model: tensor 'wte.weight' is [256, 16] there, [256, 32] here"),
+             (fsdp_demo.main, ["--stage", "2", "--n-layer", "1", "--resume-from", zero_dir],
+              "another model: tensor 'blocks.1."),
+             (zero.main, ["--resume-from", str(tmp_path / "weights.dcp")],
+              "holds no optimizer state"),
+             (zero.main, ["--resume-from", str(tmp_path / "torn")],
+              "complete.json: missing: the DCP checkpoint is torn"),
              (zero.main, ["--resume-from", str(tmp_path / "truncated")], "__1_0.distcp: 100 bytes")]
     for i, (main, args, message) in enumerate(cases):
         ckpt = tmp_path / f"ckpt{i}"
@@ -354,7 +376,8 @@ def test_moving_keeps_every_weight_and_adam_value(moved, shared, world):
     other = 6 - world
     want = full_checkpoint(checkpoints.latest_checkpoint(os.path.join(shared, f"zero{other}")))
     got = moved[world]["fsdp_loaded"]
-    assert {k for k in want if k != "scalars"} | {("step", n) for n in want["scalars"]} == set(got) - {("master", "head.weight")}
+    assert ({k for k in want if k != "scalars"} | {("step", n) for n in want["scalars"]}
+            == set(got) - {("master", "head.weight")})
     for key in want:
         if key != "scalars":
             assert torch.equal(got[key], want[key]), key
@@ -365,4 +388,5 @@ def test_moving_keeps_every_weight_and_adam_value(moved, shared, world):
     for key in got:
         if key != "scalars":
             assert torch.equal(got[key], want[key]), key
-    assert {n: float(s["step"]) for n, s in got["scalars"].items()} == {n: float(want["step", n]) for (k, n) in want if k == "step"}
+    assert ({n: float(s["step"]) for n, s in got["scalars"].items()}
+            == {n: float(want["step", n]) for (k, n) in want if k == "step"})

@@ -150,11 +150,13 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs, tmp_path)
     # With 4MB, stage 0's 16Ψ = 26 MB cannot even be built: every rank says so in one line
     # (which rank, where, the formula), and the job ends (no rank waits for another).
     assert losses(cli_runs[1]["max-memory"]) == losses(cli_runs[1]["stage 3"])
-    used = re.search(r"^--max-memory 300MB per rank: at most (\S+)B used above the runtime, (\S+)B of it not "
-                     r"model state; the runtime itself (\S+)B \(largest over the ranks\)$", cli_runs[1]["max-memory"], re.M)
+    used = re.search(r"^--max-memory 300MB per rank: at most (\S+)B used above the runtime, "
+                     r"(\S+)B of it not model state; the runtime itself (\S+)B "
+                     r"\(largest over the ranks\)$", cli_runs[1]["max-memory"], re.M)
     assert used, cli_runs[1]["max-memory"][-1500:]
-    out = run_py("--stage", "0", "--d-model", "256", "--n-layer", "2", "--n-head", "4", "--seq-len", "16",
-                 "--steps", "2", "--max-memory", "4MB", "--timeout", "30", torchrun=2)
+    out = run_py("--stage", "0", "--d-model", "256", "--n-layer", "2", "--n-head", "4",
+                 "--seq-len", "16", "--steps", "2", "--max-memory", "4MB", "--timeout", "30",
+                 torchrun=2)
     assert out.returncode != 0
     # (a rank whose partner ran out first may instead fail in the collective it waits in)
     lines = [line for line in out.stderr.splitlines() if line.startswith("zero.py: error: rank")
@@ -162,9 +164,11 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs, tmp_path)
     assert lines, out.stderr[-3000:]
     for line in lines:
         assert re.fullmatch(
-            r"zero.py: error: rank [01]: out of memory in building the model \(--max-memory 4MB\); stage 0's "
-            r"formula: its model state alone is 26\.\d+MB per rank \(Ψ = 1,6\d\d,\d+, N = 2\)", line), line
-    assert 'zero.py", line' not in out.stderr  # no traceback from the ranks (torchrun prints its own)
+            r"zero.py: error: rank [01]: out of memory in building the model "
+            r"\(--max-memory 4MB\); stage 0's formula: its model state alone is 26\.\d+MB "
+            r"per rank \(Ψ = 1,6\d\d,\d+, N = 2\)", line), line
+    # no traceback from the ranks (torchrun prints its own)
+    assert 'zero.py", line' not in out.stderr
 
 
 def test_peak_data_sees_a_peak_between_samples():
@@ -183,7 +187,8 @@ def test_peak_data_sees_a_peak_between_samples():
         "del x",
         "watch.note('after')",
         "print(watch.data - watch.data0, watch.used())"])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=HERE, timeout=120)
     assert out.returncode == 0, out.stderr
     sampled, peak = map(int, out.stdout.split())
     assert sampled < 10**6 and 40 * 10**6 <= peak < 42 * 10**6, (sampled, peak)
@@ -215,7 +220,8 @@ def test_trial_reports_that_arrive_together_are_all_read():
             break
         time.sleep(0.01)
     results = memory._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)
-    assert sorted(results) == [0, 2] and all("out of memory" in res["error"] for res in results.values())
+    assert sorted(results) == [0, 2] and all("out of memory" in res["error"]
+                                             for res in results.values())
     pipes[1][1].send({"ok": True})  # a normal trial: every rank reports, then it is over
     pipes[0][1].send({"ok": True})
     pipes[2][1].send({"ok": True})
@@ -251,7 +257,8 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess)
         return (10.6 + 0.5 * layers + 3.4 * (stage == 3)) * MB
 
     def need(stage, layers):
-        return sum(zero.memory_formula(stage, psi_of(layers), 4).values()) + transient(stage) + rest(stage, layers)
+        return (sum(zero.memory_formula(stage, psi_of(layers), 4).values())
+                + transient(stage) + rest(stage, layers))
     calls = []
 
     def trial(args, stage, layers):
@@ -260,7 +267,8 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess)
         return {"ok": need(stage, layers) <= limit, "psi": psi_of(layers), "layers": layers,
                 "state": f + transient(stage), "runtime": 0, "rest": rest(stage, layers),
                 "per_block": rest(stage, layers + 1) - rest(stage, layers),
-                "error": "" if need(stage, layers) <= limit else "rank 0: out of memory in the forward"}
+                "error": ("" if need(stage, layers) <= limit
+                          else "rank 0: out of memory in the forward")}
     monkeypatch.setattr(memory, "_trial", trial)
     zero.main(["--largest-model", "--max-memory", "1MB", "--world-size", "4", *MODEL])
     out = capsys.readouterr().out
@@ -268,13 +276,16 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess)
             re.findall(r"^(\d) +(\d+) +[\d,]+ +\S+ +\S+ +\S+ \| +(\d+) ", out, re.M)}
     assert sorted(rows) == [0, 1, 2, 3]
     for stage, (fits, refused) in rows.items():
-        assert need(stage, fits) <= limit < need(stage, refused) and refused == fits + 1, (stage, fits, refused)
-    assert rows[2][0] > rows[1][0] > rows[0][0] and (rows[3][0] > rows[2][0]) == (excess != "stage3_heavier")
+        assert (need(stage, fits) <= limit < need(stage, refused)
+                and refused == fits + 1), (stage, fits, refused)
+    assert (rows[2][0] > rows[1][0] > rows[0][0]
+            and (rows[3][0] > rows[2][0]) == (excess != "stage3_heavier"))
     assert re.search(r"stage 3 trains \d+\.\dx the parameters of stage 0", out)
     # A trial to measure, then 2 a stage where the guess is right (none, and the README's excess:
     # 9, a third of the 27 the search before this one made); more where the first guesses miss by
     # several blocks, and where stage 3 fits less than the wall it starts from
-    assert len(calls) == len(set(calls)) <= {"steep": 16, "stage3_heavier": 20}.get(excess, 9), calls
+    assert (len(calls) == len(set(calls))
+            <= {"steep": 16, "stage3_heavier": 20}.get(excess, 9)), calls
     assert re.search(rf"^{len(calls)} trials in \d+ s$", out, re.M)
 
 
@@ -284,8 +295,10 @@ def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
     # which no stage trains even 1 block (the table, then one line and exit code 4).
     monkeypatch.delenv("RANK", raising=False)
     before = signal.getsignal(signal.SIGTERM)
-    for args, message in [(["--max-memory", "200MB", "--world-size", "1"], "--world-size 2 at least"),
-                          (["--max-memory", "1000TB", "--world-size", "2"], "more than this machine's available memory")]:
+    for args, message in [(["--max-memory", "200MB", "--world-size", "1"],
+                           "--world-size 2 at least"),
+                          (["--max-memory", "1000TB", "--world-size", "2"],
+                           "more than this machine's available memory")]:
         with pytest.raises(zero.UsageError, match=message):
             zero.main(["--largest-model", *args, *MODEL])
     killed = []
@@ -294,14 +307,16 @@ def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
         if stage == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         killed.append(stage)  # (what _trial's finally does with the ranks, it does on SIGTERM too)
-        return {"ok": False, "psi": 1, "layers": layers, "error": "rank 0: out of memory in the forward"}
+        return {"ok": False, "psi": 1, "layers": layers,
+                "error": "rank 0: out of memory in the forward"}
     monkeypatch.setattr(memory, "_trial", trial)
     with pytest.raises(SystemExit) as e:
         zero.main(["--largest-model", "--max-memory", "2MB", "--world-size", "2", *MODEL])
     assert e.value.code == 143 and set(killed) == {0}
     assert signal.getsignal(signal.SIGTERM) == before  # (the handler is --largest-model's only)
     monkeypatch.setattr(memory, "_trial", lambda args, stage, layers: trial(args, 0, layers))
-    with pytest.raises(zero.OutOfMemory, match="not even 1 block of d_model 16 trains within --max-memory 2MB"):
+    with pytest.raises(zero.OutOfMemory,
+                       match="not even 1 block of d_model 16 trains within --max-memory 2MB"):
         zero.main(["--largest-model", "--max-memory", "2MB", "--world-size", "2", *MODEL])
     assert re.search(r"^3 +none .*\| +1 ", capsys.readouterr().out, re.M)
 
@@ -315,6 +330,7 @@ def test_cuda_max_memory_refuses_a_run_that_cannot_fit():
         pytest.skip(missing)
     out = run_py("--device", "cuda", "--max-memory", "1MB", *SMALL, env=CUDA_ENV)
     assert out.returncode == 4 and out.stderr.count("\n") == 1, out.stderr
-    assert "out of memory" in out.stderr.lower() and "Traceback" not in out.stderr + out.stdout, out.stderr
+    assert ("out of memory" in out.stderr.lower()
+            and "Traceback" not in out.stderr + out.stdout), out.stderr
     fits = run_py("--device", "cuda", "--max-memory", "4GB", *SMALL, env=CUDA_ENV)
     assert fits.returncode == 0 and len(losses(fits.stdout)) == 3, fits.stderr

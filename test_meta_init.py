@@ -65,7 +65,8 @@ def meta_models(rank, world):
                "normal_build_peak": dict(ref_opt.build_peak),
                "replicated": {n: t.clone() for n, t in zero.replicated(model)},
                "flat": [u.flat.numel() for u in opt.units], "S": [u.S for u in opt.units],
-               "root": [not u.modules for u in opt.units], "tied": model.head.weight is model.emb.weight,
+               "root": [not u.modules for u in opt.units],
+               "tied": model.head.weight is model.emb.weight,
                "psi": opt.psi}
         for m, o in ((model, opt), (ref_model, ref_opt)):
             run_steps(m, o, o.clip_grad_norm_, CASES["adamw"], rows, world, 2)
@@ -86,7 +87,8 @@ def meta_models(rank, world):
                 v.fill_(float("nan"))
         for u in opt.units:
             for p in u.params:
-                a, b = max(u.offset[p], u.my_slice.start), min(u.offset[p] + p.numel(), u.my_slice.stop)
+                a, b = (max(u.offset[p], u.my_slice.start),
+                        min(u.offset[p] + p.numel(), u.my_slice.stop))
                 if a < b:
                     for key in [k for k, t in model.state_dict(keep_vars=True).items() if t is p]:
                         poisoned[key].view(-1)[a - u.offset[p]:b - u.offset[p]] = \
@@ -104,7 +106,8 @@ def meta_models(rank, world):
                 refused.append(None)
             except ValueError as e:
                 refused.append(str(e))
-        out[("load", stage)] = {"loaded": loaded, "trained": opt.full_state_dict(), "refused": refused}
+        out[("load", stage)] = {"loaded": loaded, "trained": opt.full_state_dict(),
+                                "refused": refused}
     return out
 
 
@@ -175,7 +178,8 @@ def test_load_full_state_dict_reads_only_each_ranks_own_elements(meta_runs, worl
         assert extra and "'extra' is not in the model" in extra
         assert shape and "'blocks.0.0.weight' is (2, 2)" in shape
         assert dtype and "'scale' is" in dtype and "torch.int64" in dtype
-        assert all("\n" not in e and e.startswith("zero: load_full_state_dict") for e in rec["refused"])
+        assert all("\n" not in e and e.startswith("zero: load_full_state_dict")
+                   for e in rec["refused"])
 
 
 def test_meta_models_refused_clearly(one_rank):
@@ -185,18 +189,22 @@ def test_meta_models_refused_clearly(one_rank):
     optimizer = CASES["adamw"]["optimizer"]
     cases = []
     with torch.device("meta"):
-        cases.append((Net(0), {}, "the model (Net) has tensors on the meta device and no reset_parameters()"))
+        cases.append((Net(0), {}, "the model (Net) has tensors on the meta device "
+                                  "and no reset_parameters()"))
         cases.append((Net(0), {"init": lambda m: None}, "blocks.0.0.weight is not initialized"))
-        cases.append((Net(0), {"init": lambda m: isinstance(m, Net) or net_init(m)}, "scale is not initialized"))
+        cases.append((Net(0), {"init": lambda m: isinstance(m, Net) or net_init(m)},
+                      "scale is not initialized"))
         half = Net(0)
     half.norm = nn.LayerNorm(D)
     cases.append((half, {"init": net_init}, "norm.weight is on cpu"))
     cases.append((Net(0), {"init": net_init}, "init is for a model built on the meta device"))
     with torch.device("meta"):  # an init writing into a unit not allocated yet, or already cut
         late, early = Net(0), Net(0)
-    cases.append((late, {"init": lambda m: net_init(m) or m is late.emb and late.blocks[1][0].weight.data.zero_()},
+    cases.append((late, {"init": lambda m: net_init(m)
+                         or m is late.emb and late.blocks[1][0].weight.data.zero_()},
                   "init(emb) writes to a tensor of a unit that is not allocated yet (zero_)"))
-    cases.append((early, {"init": lambda m: net_init(m) or m is early.norm and early.blocks[0][0].bias.data.zero_()},
+    cases.append((early, {"init": lambda m: net_init(m)
+                          or m is early.norm and early.blocks[0][0].bias.data.zero_()},
                   "init(norm) writes to a tensor of a unit that is built already (zero_)"))
     for model, kwargs, message in cases:
         with pytest.raises(ValueError) as e:
@@ -221,7 +229,8 @@ def test_transformers_shaped_model_on_the_meta_device(one_rank):
     assert [m for u in opt.units for m in u.modules] == list(model.transformer.h)  # default units
     full = opt.full_state_dict()
     assert all(torch.equal(full[n], p.detach()) for n, p in ref.named_parameters())
-    assert full["transformer.h.0.c_proj.weight"].std() < 0.6 * full["transformer.h.0.c_attn.weight"].std()
+    assert (full["transformer.h.0.c_proj.weight"].std()
+            < 0.6 * full["transformer.h.0.c_attn.weight"].std())
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(model.transformer.positions, ref.transformer.positions)
     x = torch.randint(V, (2, T))
@@ -236,7 +245,8 @@ class HFLike(nn.Module):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1, self.c_attn, self.c_proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.ln_1, self.c_attn, self.c_proj = (nn.LayerNorm(D), nn.Linear(D, 3 * D),
+                                                   nn.Linear(D, D))
 
         def forward(self, h):
             q, k, v = self.c_attn(self.ln_1(h)).chunk(3, -1)

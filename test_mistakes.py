@@ -19,7 +19,8 @@ def mistakes_lab(rank, world):
     as torchrun runs it, on two mistakes, with --json."""
     out = {"results": mistakes.run_lab([], quick=True)}
     path = os.path.join(os.environ["ZERO_TEST_TMP"], "mistakes.json")
-    out["printed"] = main_printed(mistakes.main, ["--json", path, "no-divide-sgd", "units-out-of-order"])
+    out["printed"] = main_printed(mistakes.main,
+                                  ["--json", path, "no-divide-sgd", "units-out-of-order"])
     return out
 
 
@@ -42,8 +43,10 @@ def mistake_symptoms(name, r, world):
         # the shards and a few unit buffers in flight (the one filling, two reductions and gloo's
         # receive buffers at a launch), far below that
         shards, full = tiny_bytes(2, "grads", world), tiny_bytes(1, "grads", world)
-        trains = r["right_distance"] < ROUNDING and (r["wrong_distance"] < ROUNDING) == (name == "late-reduce-scatter")
-        return wrong >= full + shards and trains, right > shards + 5 * BLOCK or r["right_distance"] > ROUNDING
+        trains = (r["right_distance"] < ROUNDING
+                  and (r["wrong_distance"] < ROUNDING) == (name == "late-reduce-scatter"))
+        return (wrong >= full + shards and trains,
+                right > shards + 5 * BLOCK or r["right_distance"] > ROUNDING)
     if name == "one-unit":  # the whole model gathered; right: the shards, the root and two blocks
         shards, full = tiny_bytes(3, "params", world), tiny_bytes(0, "params", world)
         return (wrong >= full + shards and r["wrong_distance"] < ROUNDING,
@@ -52,7 +55,8 @@ def mistake_symptoms(name, r, world):
         return wrong.startswith("RuntimeError: "), not isinstance(right, float)
     if name == "eval-on-rank-0":
         # (how long the 1-second timeout took to end it is the machine's: not checked)
-        return wrong.startswith("hang: ") and re.search(r"timeout after \d+\.\d s", wrong), not isinstance(right, float)
+        return (wrong.startswith("hang: ") and re.search(r"timeout after \d+\.\d s", wrong),
+                not isinstance(right, float))
     if name == "state-dict-at-stage-3":  # a file written, which only loading finds empty
         return wrong.startswith("torch.save wrote ") and "; torch.load: " in wrong, right != 0
     if name == "optimizer-before-wrap":  # nothing moved
@@ -75,7 +79,8 @@ def test_each_mistake_shows_its_symptom_and_the_right_code_does_not(ran, name):
     shows, right_shows = mistake_symptoms(name, r, 2)
     assert shows, r
     assert not right_shows, r
-    if name in ("units-out-of-order", "no-zero-grad", "state-dict-at-stage-3"):  # zero.py's guard stops it
+    # zero.py's guard stops it
+    if name in ("units-out-of-order", "no-zero-grad", "state-dict-at-stage-3"):
         for res in lab:
             assert res["results"][name]["guard"].startswith("RuntimeError: zero: ")
     if name == "no-divide-adamw":  # the contrast: almost invisible under AdamW, not under SGD
@@ -88,11 +93,13 @@ def test_the_mistakes_lab_command_line(ran, shared, refused, one_rank):
     assert lab[1]["printed"] == ""
     lines = printed.splitlines()
     assert all(len(line) <= 100 for line in lines), max(lines, key=len)
-    assert any(line.startswith("no-divide-sgd ") for line in lines) and lines[-1].startswith("wall time: ")
+    assert (any(line.startswith("no-divide-sgd ") for line in lines)
+            and lines[-1].startswith("wall time: "))
     assert "  with the guard: RuntimeError: zero: ranks communicated different units" in printed
     rows = json.load(open(os.path.join(shared, "mistakes.json")))
     assert [row["name"] for row in rows] == ["no-divide-sgd", "units-out-of-order"]
-    assert all({"name", "stages", "measure", "wrong", "right", "why", "where"} <= set(row) for row in rows)
+    assert all({"name", "stages", "measure", "wrong", "right", "why", "where"} <= set(row)
+               for row in rows)
     assert rows[0]["where"] == "ZeRO1._reduce_grads" and rows[0]["wrong"] > 1e-3 > rows[0]["right"]
     listed = main_printed(mistakes.main, ["--list"]).splitlines()
     assert [line.split()[0] for line in listed] == list(mistakes.MISTAKES) and len(listed) >= 12
@@ -103,4 +110,5 @@ def test_the_mistakes_lab_command_line(ran, shared, refused, one_rank):
         error, out = main_refused(mistakes.main, argv)
         assert error and message in error and "\n" not in error and out == "", (argv, error)
     code, out, err, message = refused["mistakes.py"]  # end to end: one line, exit code 2
-    assert code == 2 and err == f"mistakes.py: error: {message}: `python mistakes.py --list` names them\n", err
+    assert code == 2 and err == (f"mistakes.py: error: {message}: "
+                                 "`python mistakes.py --list` names them\n"), err

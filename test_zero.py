@@ -22,7 +22,9 @@ What the README claims of zero.py, and the tests that check it:
   test_mixed_precision_communication, test_every_backward_may_reduce,
   test_buckets_merge_and_split_units_and_change_nothing_else,
   test_each_way_of_reducing_trains_the_same, test_direct_exchange_equals_the_native_collectives.
-- Overlap on or off, bit-identical results: test_overlap_changes_nothing_but_timing.
+- Overlap on or off, bit-identical results: test_overlap_changes_nothing_but_timing. The time a
+  step waits on collectives, measured where it waits: test_waiting_is_measured_where_the_rank_
+  waits, test_each_step_is_split_into_waiting_and_the_rest.
 - Parameters without a gradient, as plain torch (unused, or frozen after wrap: not stepped, at
   every stage, in mixed precision, with hybrid sharding): test_unused_and_frozen_parameters_are_
   not_stepped_as_in_torch, test_an_unused_parameters_grad_is_none_as_in_torch,
@@ -72,6 +74,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -1515,6 +1518,47 @@ def test_cli_every_stage_gives_the_same_losses(cli_runs):
     for run in runs[1:]:
         assert max(abs(a - b) for a, b in zip(run, runs[0])) <= 2e-6
     assert runs[0][-1] < runs[0][0]
+
+
+def test_each_step_is_split_into_waiting_and_the_rest(cli_runs):
+    # Exposed communication, measured where the training waits (Meter.wait): on each step line
+    # next to the step's time, and in the report, one step's split, which adds up.
+    for stage in range(4):
+        out = cli_runs[1][f"stage {stage}"]
+        steps = re.findall(r"^step +\d+ \| loss \S+ \| +(\S+) ms, +(\S+) waiting \| sent", out, re.M)
+        assert len(steps) == 3 and all(0 <= float(w) <= float(t) for t, w in steps), out
+        split = re.search(r"^step (\d+), (\S+) ms: (\S+) ms waiting on collectives .*\n.* \+ (\S+) ms the "
+                          r"rest", out, re.M)
+        assert split and float(split[2]) == pytest.approx(float(split[3]) + float(split[4]), abs=0.11)
+        assert (split[2], split[3]) in steps  # the step the split is of
+
+
+@scenario(2)
+def late_rank(rank, world):
+    # Rank 1 starts each backward 0.4 s late: rank 0's reductions wait for it there, and the
+    # Meter times that wait; rank 1 finds rank 0 ready and waits far less.
+    out = {}
+    for stage in range(4):
+        model, opt = wrapped(rank, stage, "sgd", seed=100)
+        x, y = (t[rank * B:(rank + 1) * B] for t in global_batch(0, 0, world))
+        opt.step()  # nothing to reduce: the first collectives set up their connections
+        opt.zero_grad()
+        waited = opt.meter.waited()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        if rank == 1:
+            time.sleep(0.4)
+        loss.backward()
+        opt.step()
+        out[stage] = opt.meter.waited() - waited
+        opt.zero_grad()
+    return out
+
+
+def test_waiting_is_measured_where_the_rank_waits(ran):
+    early, late = ran(late_rank, 2)
+    for stage in range(4):
+        assert early[stage] >= 0.3, (stage, early, late)  # of the 0.4 s it waited for rank 1
+        assert late[stage] < early[stage] - 0.2, (stage, early, late)
 
 
 BAD = [["--stage", "7"], ["--steps", "0"], ["--d-model", "-3"], ["--d-model", "30", "--n-head", "4"],

@@ -1,16 +1,70 @@
 """
-tradeoffs.py: which stage for which model and cluster: what each stage costs in memory and in
-bytes sent, from the ZeRO paper's formulas (arXiv:1910.02054).
+tradeoffs.py: which stage for which model and cluster. What each stage costs in memory, in bytes
+sent and in time: measured here, in one launch, and predicted for a cluster by a time model
+that is checked against those measurements.
 
-    python zero.py --estimate --params 7.5e9 --world-size 64     # the paper's Figure 1
+    python zero.py --estimate --params 7.5e9 --world-size 64          # the paper's Figure 1
+    python zero.py --estimate --params 7e9 --world-size 16 --n-layer 32 --d-model 4096 \\
+        --seq-len 4096 --batch-size 1 --cluster gpus_per_node=8,inter_bw=12.5e9   # and in time
+    torchrun --nproc_per_node=4 zero.py --tradeoffs [--unit-sizes]   # measured, and predicted
 
-What it is: --estimate, the model-state memory of every stage and the elements each rank sends,
-from the formulas alone: no model, no ranks.
+What it is:
+- --estimate: the model-state memory of every stage and the elements each rank sends, from the
+  ZeRO paper's formulas (arXiv:1910.02054) alone; with --cluster, the time model too: per stage
+  and hybrid G, memory with activations, communication, compute, the exposed part, step time
+  and tokens/s, and which configuration fits and is fastest. Every input a stated default.
+- --tradeoffs: trains the command line's configuration at every stage (with --unit-sizes, also
+  at three unit sizes) in one launch, and prints what each measured: model state, bytes sent,
+  step time, the time spent waiting on collectives, tokens/s; next to it, the step time the time
+  model predicts once calibrated on this machine (a sweep of the collectives, a measured forward
+  and backward, a measured optimizer step), and the ratio.
 
-What it uses of zero.py: the formulas (memory_formula, comm_formula) and STAGE_NAMES. zero.py
-imports this file at the flag that needs it.
+The time model (step_time): a collective over n ranks on a ring takes 2(n-1) steps (all-reduce)
+or n-1 (reduce-scatter, all-gather), each α + M/(n β) for M bytes (latency α, bandwidth β).
+Compute is 6Ψ FLOPs per token (8Ψ with activation checkpointing: the forward again). Overlap:
+a phase's collectives run beside its compute, all but one unit's hidden where the compute is
+longer; what is left over waits (exposed). Not modeled: the kernels' launch overheads, Python's,
+and on CPU the cores that compute and communication share (why the prediction is off there).
+
+What it uses of zero.py: the formulas (memory_formula, comm_formula), train() and its results,
+the collectives (all_gather, reduce_scatter), the demo GPT, adamw() and PIECE. zero.py imports
+this file at the flags that need it.
 """
-from zero import STAGE_NAMES, comm_formula, memory_formula
+import argparse, dataclasses, statistics, time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from zero import GPT, PIECE, STAGE_NAMES, UsageError, _si, adamw, all_gather, comm_formula, \
+    log0, memory_formula, reduce_scatter, setup, train
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory and bytes from the formulas alone: --estimate
+
+def command(args, argv):
+    """zero.py --estimate [--cluster] or --tradeoffs: bad input is a UsageError first."""
+    if args.tradeoffs:
+        if args.estimate or args.consolidate or args.largest_model or args.timeline or \
+                args.timeline_all or args.ckpt_dir or args.resume_from:
+            raise UsageError("--tradeoffs trains every stage from the start: not with "
+                             "--estimate, --consolidate, --largest-model, --timeline*, "
+                             "--ckpt-dir, --resume-from")
+        return tradeoff_table(args)
+    if args.params is None or args.world_size is None:
+        raise UsageError("--estimate needs --params and --world-size")
+    if args.ckpt_dir:
+        raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
+    names = [a.split("=")[0] for a in argv]
+    given = any(len(n) > 2 and "--stage".startswith(n) for n in names)  # (or abbreviated)
+    cluster = None if args.cluster is None else parse_cluster(args.cluster)
+    if cluster and args.world_size % min(cluster.gpus_per_node, args.world_size):
+        raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "
+                         f"--world-size {args.world_size}")
+    estimate(args.params, args.world_size, args.shard_size, [args.stage] if given else range(4))
+    if cluster is not None:
+        predict_cluster(args, args.params, args.world_size, cluster)
 
 
 def estimate(psi, world, shard_size=None, stages=range(4)):
@@ -48,3 +102,317 @@ def _fit(x, decimals, width=6):
     for digits in (3, 2, 1):
         text = text if len(text) <= width else f"{x:.{digits}g}"
     return text if len(text) <= width else f"{x:.0e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The time model
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A latency-bandwidth model of one ring: each of its steps costs alpha seconds plus the
+    chunk it moves (M/n bytes) at beta bytes per second."""
+    alpha: float
+    beta: float
+
+
+def collective_time(kind, nbytes, n, link):
+    """Seconds for a ring collective over n ranks of an nbytes buffer: all_reduce 2(n-1) steps,
+    reduce_scatter and all_gather n-1 (a broadcast, pipelined: as many), each moving nbytes/n."""
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if kind.startswith("all_reduce") else n - 1
+    return steps * (link.alpha + nbytes / n / link.beta)
+
+
+def overlapped(comm, compute, units, overlap=True):
+    """The part of a phase's communication (comm seconds over `units` collectives, one a unit)
+    that compute (seconds) does not hide: each unit's collective runs beside the next unit's
+    compute, so all but one can hide, and only while there is compute left to hide behind."""
+    if not overlap or units == 0:
+        return comm
+    return max(comm / units, comm - compute * (units - 1) / units)
+
+
+def step_time(stage, units, world, G, coll, compute, optimizer_s, k=1, gather_bytes=4,
+              reduce_bytes=4, overlap=True):
+    """The time model of one optimizer step of zero.py's stage, in seconds, as a dict: compute
+    (forward and backward of k micro-batches), comm (every collective, end to end), exposed (the
+    part compute does not hide, overlapped()), optimizer (the step), step (compute + exposed +
+    optimizer).
+
+    units: (elements, root) of each unit, as it is cut (padded to N*S); coll(kind, nbytes, n,
+    across): a collective's seconds (collective_time on a Link, or as calibrated); compute: the
+    seconds of one micro-batch's forward and backward (a third forward, two thirds backward:
+    2Ψ and 4Ψ FLOPs per token); optimizer_s: of the optimizer step on this rank's elements."""
+    L, R = len(units), world // G
+    n = G if stage else world  # the ring the shards' collectives run on
+    fwd, bwd = compute / 3, compute * 2 / 3
+
+    def each(kind, nbytes):  # one collective per unit
+        return sum(coll(kind, e * nbytes, n, False) for e, _ in units)
+
+    reduce = each("all_reduce" if stage == 0 else "reduce_scatter", reduce_bytes)
+    if stage and R > 1:  # hybrid: each rank's sum of its shard, across the R groups
+        reduce += sum(coll("all_reduce", e // G * reduce_bytes, R, True) for e, _ in units)
+    small = (2 if stage == 0 else 3) * coll("all_reduce", 16, world, world > G)  # check, loss, norm
+    gather = each("all_gather", gather_bytes)
+    if stage == 3:  # every forward gathers each unit, every backward again (not the root)
+        again = sum(coll("all_gather", e * gather_bytes, n, False) for e, root in units if not root)
+        comm = k * (gather + again + reduce)
+        exposed = k * (overlapped(gather, fwd, L, overlap) +
+                       overlapped(again + reduce, bwd, L, overlap))
+    else:  # stages 0, 1 reduce in the last backward only; stage 2 in every one
+        times = k if stage == 2 else 1
+        comm = times * reduce + gather * (stage > 0)
+        exposed = times * overlapped(reduce, bwd, L, overlap) + gather * (stage > 0)
+    return {"compute": k * compute, "comm": comm + small, "exposed": exposed + small,
+            "optimizer": optimizer_s,
+            "step": k * compute + exposed + small + optimizer_s}
+
+
+# ----------------------------------------------------------------------------------------------
+# Predicted for a cluster: --estimate --cluster
+
+@dataclasses.dataclass
+class Cluster:
+    """--cluster KEY=VALUE,...: the cluster the time model predicts for. Each default is an
+    assumption (about an 8-GPU H100 node and 100 Gb/s Ethernet between nodes), printed as such."""
+    gpus_per_node: int = 8
+    gpu_memory: float = 80e9     # bytes per GPU
+    intra_bw: float = 150e9      # bytes/s a rank sends on a ring inside a node (NVLink)
+    inter_bw: float = 12.5e9     # bytes/s between nodes, per node (one 100 Gb/s link)
+    intra_latency: float = 10e-6   # seconds per ring step inside a node
+    inter_latency: float = 30e-6   # seconds per ring step between nodes
+    flops: float = 300e12        # FLOP/s each GPU achieves in forward and backward (bf16)
+    memory_bw: float = 2e12      # bytes/s of GPU memory: the optimizer step streams 32 B/element
+
+    def ring(self, n, across):
+        """The Link of a ring of n ranks: inside a node while it fits in one (consecutive
+        ranks), else every step waits for the slowest link, the one between nodes."""
+        if n <= self.gpus_per_node and not across:
+            return Link(self.intra_latency, self.intra_bw)
+        return Link(self.inter_latency, min(self.intra_bw, self.inter_bw))
+
+
+def parse_cluster(text):
+    """'gpus_per_node=8,inter_bw=25e9' -> Cluster; an unknown key or a bad value: UsageError."""
+    fields = {f.name: f.type for f in dataclasses.fields(Cluster)}
+    values = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in fields:
+            raise UsageError(f"--cluster: no key {key!r}; the keys are {', '.join(fields)}")
+        try:
+            values[key] = (int if fields[key] in (int, "int") else float)(value)
+        except ValueError:
+            raise UsageError(f"--cluster {key}={value}: not a number") from None
+        if not 0 < values[key] < float("inf"):
+            raise UsageError(f"--cluster {key}={value}: must be positive")
+    return Cluster(**values)
+
+
+def activation_bytes(layers, d_model, seq_len, rows, checkpointing):
+    """Bytes of activations a rank keeps for backward, in 16-bit: 34·s·b·h per transformer
+    layer (Korthikanti et al., arXiv:2205.05198, with a fused attention that keeps no s×s
+    scores); with activation checkpointing each layer's input (2·s·b·h) and one layer's whole."""
+    per_layer = 34 * seq_len * rows * d_model
+    return 2 * seq_len * rows * d_model * layers + per_layer if checkpointing else \
+        per_layer * layers
+
+
+def predict_cluster(args, psi, world, cluster):
+    """--estimate --cluster: the time model per stage, hybrid G and activation checkpointing."""
+    c, L, k = cluster, args.n_layer, args.grad_accum
+    tokens = args.batch_size * args.seq_len  # per rank per micro-batch
+    shards = sorted({world, min(c.gpus_per_node, world)} | ({args.shard_size} - {None}),
+                    reverse=True)
+    print(f"\nTime per step (the time model, tradeoffs.py: ring collectives, 6Ψ FLOPs a token, "
+          f"8Ψ with\nactivation checkpointing). Ψ = {psi:.4g}, {L} layers of d_model "
+          f"{args.d_model}, {args.batch_size} row(s) x\n{args.seq_len} tokens per rank x {k} "
+          f"micro-batch(es), bf16 with fp32 reductions, on N = {world} =\n"
+          f"{max(world // c.gpus_per_node, 1)} node(s) x {min(c.gpus_per_node, world)} GPUs; "
+          "times in ms per step\n")
+    print(f"{'stage':<6}{'G':>5} {'ckpt':>5} {'model':>8} {'activ.':>8} {'total':>8} {'fits':>5} "
+          f"{'compute':>8} {'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10}")
+    rows = []
+    for stage in range(4):
+        for G in shards if stage else [world]:
+            for ckpt in (False, True):
+                state = sum(memory_formula(stage, psi, world, 2, 2, 12, G).values())
+                act = activation_bytes(L, args.d_model, args.seq_len, args.batch_size, ckpt)
+                t = step_time(stage, [(psi / L, False)] * L, world, G,
+                              lambda kind, nbytes, n, across: collective_time(
+                                  kind, nbytes, n, c.ring(n, across)),
+                              (8 if ckpt else 6) * psi * tokens / c.flops,
+                              32 * psi / (G if stage else 1) / c.memory_bw, k, 2, 4)
+                fits = state + act <= c.gpu_memory
+                rows.append((stage, G, ckpt, fits, world * tokens * k / t["step"], t))
+                print(f"{stage:<6}{G:>5} {'yes' if ckpt else 'no':>5} {_si(state):>7}B "
+                      f"{_si(act):>7}B {_si(state + act):>7}B {'yes' if fits else 'NO':>5} "
+                      + " ".join(f"{_ms(t[key]):>8}" for key in ("compute", "comm", "exposed",
+                                                                 "step"))
+                      + f" {rows[-1][4]:>10.4g}")
+    given = {item.split("=")[0].strip() for item in (args.cluster or "").split(",")}
+    for kind, keys in (("given", [f.name for f in dataclasses.fields(c) if f.name in given]),
+                       ("assumed (the defaults; --cluster KEY=VALUE,... to change them)",
+                        [f.name for f in dataclasses.fields(c) if f.name not in given])):
+        if keys:
+            print(f"\n{kind}:" + "".join(("\n " if i % 4 == 0 else "") + f" {k}={getattr(c, k):g}"
+                                         for i, k in enumerate(keys)))
+    print("formulas: activations 34·s·b·h bytes a layer (Korthikanti et al. 2022), the optimizer "
+          "step 32\nbytes an element stepped at memory_bw. Not modeled: kernel launches, the "
+          "logits' memory,\nfragmentation, compute slowed by communication on the same GPU")
+    fitting = [r for r in rows if r[3]]
+    if not fitting:
+        print("verdict: no stage fits in gpu_memory, with or without checkpointing: memory "
+              "binds (more ranks, or a smaller micro-batch)")
+        return rows
+    best = max(fitting, key=lambda r: r[4])
+    stage, G, ckpt, _, tps, t = best
+    binds = "communication (exposed " + f"{t['exposed'] / t['step']:.0%} of the step)" \
+        if t["exposed"] > t["compute"] / 2 else "compute"
+    lighter = [r for r in rows if not r[3] and r[4] > tps]
+    print(f"verdict: stage {stage}" + (f" with G = {G}" if stage and G < world else "")
+          + (" with activation checkpointing" if ckpt else "") + f" fits and is fastest, "
+          f"{tps:.4g} tokens/s; {binds} binds" + (
+              "; faster configurations do not fit in gpu_memory (memory binds them)"
+              if lighter else ""))
+    return rows
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.4g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured here, and predicted once calibrated: --tradeoffs
+
+UNIT_SIZES = ("model", "block", "layer")  # --unit-sizes: the whole model as one unit, ...
+
+
+def calibrate(args, device, reps=5):
+    """This machine's time model, measured on the job's ranks at once: each collective kind's
+    seconds as a + b·bytes (a least-squares line through a sweep of sizes), the seconds of one
+    micro-batch's forward and backward of the demo GPT (unwrapped), and of the optimizer's step
+    per element. Returns {"coll": {kind: (a, b)}, "compute": s, "optimizer_per_element": s}."""
+    world = dist.get_world_size()
+    fits = {}
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        xs, ys = [], []
+        for numel in (world * 256, world * 4096, world * 65536, world * 262144):
+            x = torch.zeros(numel, device=device)
+            out = x[dist.get_rank() * (numel // world):][:numel // world]
+            call = {"all_reduce": lambda: dist.all_reduce(x),
+                    "reduce_scatter": lambda: reduce_scatter(out.clone(), x),
+                    "all_gather": lambda: all_gather(x, out.clone())}[kind]
+            xs.append(numel * 4)
+            ys.append(_median_time(call, reps, device))
+        fits[kind] = _line(xs, ys)
+    with torch.device(device):
+        torch.manual_seed(args.seed)
+        model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
+    if args.bf16:
+        model = model.to(torch.bfloat16)
+    x = torch.randint(256, (args.batch_size, args.seq_len), device=device)
+
+    def forward_backward():
+        F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
+    compute = _median_time(forward_backward, reps, device)
+    pieces = [torch.zeros(PIECE.get(device.type, PIECE["cuda"]), device=device,
+                          requires_grad=True) for _ in range(8)]
+    for p in pieces:
+        p.grad = torch.zeros_like(p)
+    opt = adamw(args)(pieces)
+    step = _median_time(opt.step, reps, device)
+    return {"coll": fits, "compute": compute,
+            "optimizer_per_element": step / sum(p.numel() for p in pieces)}
+
+
+def _median_time(fn, reps, device):
+    fn()  # warm: the first call allocates, and sets up connections
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return _agree(statistics.median(times), device)
+
+
+def _agree(seconds, device):  # the slowest rank's: a collective ends when its last rank does
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _line(xs, ys):
+    """(a, b) of the least-squares line y = a + b·x, neither below 0."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    b = max(b, 0.0)
+    return max(my - b * mx, 0.0), b
+
+
+def calibrated_step(cal, stage, units, world, args):
+    """The time model of zero.py's `stage` on this machine, with its calibration."""
+    def coll(kind, nbytes, n, across):  # the calibrated line, measured at this job's N
+        a, b = cal["coll"]["all_reduce" if kind.startswith("all_reduce") else kind]
+        return a + b * nbytes if n > 1 else 0.0
+    stepped = sum(e for e, _ in units) // (world if stage else 1)
+    return step_time(stage, units, world, world, coll, cal["compute"],
+                     cal["optimizer_per_element"] * stepped, args.grad_accum,
+                     2 if args.bf16 else 4, 4, not args.no_overlap)
+
+
+def measured_row(res, args):
+    """What the table shows of one run: the numbers the report prints (the model state measured
+    after the step, the bytes sent per step), the median step time and time spent waiting."""
+    steps = res["times"][1:] or res["times"]  # the first step warms up
+    t = statistics.median(steps)
+    return {"state": sum(res["mem"].values()), "sent": sum(res["comm"].values()), "step": t,
+            "waiting": statistics.median(res["waits"][1:] or res["waits"]),
+            "tokens/s": res["world"] * args.batch_size * args.seq_len * args.grad_accum / t}
+
+
+def tradeoff_table(args):
+    """--tradeoffs: train args at every stage (and --unit-sizes: with each of UNIT_SIZES) in
+    this one launch; rank 0 prints the measured table and the calibrated prediction."""
+    if args.shard_size:
+        raise UsageError("--tradeoffs compares the stages over all N ranks: not with "
+                         "--shard-size")
+    _, world, device = setup(args.backend, args.device, args.timeout)
+    cal = calibrate(args, device)
+    sizes = UNIT_SIZES if args.unit_sizes else (args.units,)
+    log0(f"zero.py at every stage, one launch: N = {world}, {args.steps} steps each, "
+         f"{args.n_layer} blocks of d_model {args.d_model}, {args.batch_size} row(s) x "
+         f"{args.seq_len} bytes per rank x {args.grad_accum} micro-batch(es)"
+         + (", bf16" if args.bf16 else "") + "\n")
+    log0(f"{'stage':<6}{'units':>6} {'model state':>12} {'sent/step':>11} {'step ms':>8} "
+         f"{'waiting':>8} {'tokens/s':>9} | {'predicted':>9} {'waiting':>8} {'ratio':>6}")
+    rows = []
+    for units in sizes:
+        for stage in range(4):
+            res = train(argparse.Namespace(**{**vars(args), "stage": stage, "units": units}),
+                        quiet=True)
+            got = measured_row(res, args)
+            want = calibrated_step(cal, stage, res["units"], world, args)
+            rows.append((stage, units, got, want))
+            log0(f"{stage:<6}{units:>6} {got['state']:>12,} {got['sent']:>11,.0f} "
+                 f"{got['step'] * 1e3:>8.1f} {got['waiting'] * 1e3:>8.1f} "
+                 f"{got['tokens/s']:>9.0f} | {want['step'] * 1e3:>9.1f} "
+                 f"{want['exposed'] * 1e3:>8.1f} {got['step'] / want['step']:>6.2f}")
+    fitted = "\n".join(f"  {k:<15} {a * 1e6:8.0f} µs + bytes / {1 / b / 1e9 if b else 0:.3g} "
+                       "GB/s" for k, (a, b) in cal["coll"].items())
+    log0(f"\nmodel state: bytes held per rank after the step; sent: bytes per rank per step; "
+         f"step ms: median step\n(the first left out); waiting: of it, the time the training "
+         f"thread waited on collectives\n(measured inside their wait(); on CUDA, the compute "
+         f"stream's stall, CUDA events).\npredicted: the time model (tradeoffs.py) calibrated "
+         f"here, each collective a line through a sweep:\n{fitted}\n  forward + backward "
+         f"{cal['compute'] * 1e3:.1f} ms a micro-batch; the optimizer "
+         f"{cal['optimizer_per_element'] * 1e9:.2f} ns an element\nratio: measured / predicted. "
+         f"On CPU compute and communication share the cores, which the\nmodel does not know: "
+         f"overlap hides less than it predicts.")
+    return rows

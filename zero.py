@@ -254,7 +254,7 @@ class DataParallel:
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
             work, unit, result = self.in_flight.pop(0)
-            work.wait()
+            self.meter.wait(work)  # work.wait(), and how long this rank waited (measurement)
             self._land(unit, result)
             self.meter.event("reduction landed", unit)  # the buffers it used are let go
 
@@ -384,13 +384,15 @@ class ZeRO1(DataParallel):
 
     def _sum_of_squares(self):  # each rank holds 1/N of the gradient: add up all ranks' squares
         squares = super()._sum_of_squares()
-        dist.all_reduce(squares, group=self.group)  # the N shards hold the whole model
+        work = dist.all_reduce(squares, async_op=True, group=self.group)  # the N shards: the model
+        self.meter.wait(work)
         self.meter.sent("all_reduce", squares, ranks=self.N)
         return squares
 
     def _gather_params(self):
         for unit in self.units:  # in place: this rank's stepped shard is a slice of flat
-            all_gather(unit.flat, unit.shard, group=self.group)
+            work = all_gather(unit.flat, unit.shard, async_op=True, group=self.group)
+            self.meter.wait(work)
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("all-gather after the step", unit)
 
@@ -472,11 +474,11 @@ class ZeRO3(ZeRO2):
     def _gather(self, unit, prefetch=False):
         if not unit.gathered:  # a new block, on the compute stream (CUDA streams: Part II)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
-            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=prefetch, group=self.group)
+            unit.prefetch = all_gather(unit.flat, unit.shard, async_op=True, group=self.group)
             self.meter.sent("all_gather", unit.flat, unit)
             self.meter.event("gather", unit)
-        if unit.prefetch is not None and not prefetch:  # needed now: wait for the prefetch
-            unit.prefetch.wait()
+        if unit.prefetch is not None and not prefetch:  # needed now: wait for its all-gather
+            self.meter.wait(unit.prefetch)
             unit.prefetch = None
 
     def _free(self, unit):
@@ -486,7 +488,7 @@ class ZeRO3(ZeRO2):
         # autograd saved sees the gathered values again in backward. (On a GPU this is safe
         # with CUDA streams, with no record_stream: see "Stage 3 on CUDA streams", Part II.)
         if unit.prefetch is not None:
-            unit.prefetch.wait()
+            self.meter.wait(unit.prefetch)
             unit.prefetch = None
         unit.flat.untyped_storage().resize_(0)
         self.meter.event("free", unit)
@@ -730,7 +732,8 @@ def make_units(zero, model, modules):
     for bad, message in [
             (any(hasattr(p, "_zero_unit") for p in model.parameters()), "this model is wrapped "
              "already (wrap() changes it in place): build a new model to wrap it again"),
-            (not (isinstance(zero.N, int) and 0 < zero.N <= zero.world and zero.world % zero.N == 0),
+            (not (isinstance(zero.N, int) and 0 < zero.N <= zero.world and
+                  zero.world % zero.N == 0),
              f"shard_size must divide the world size {zero.world}, not {zero.N!r}"),
             (zero.stage == 0 and zero.N != zero.world,
              "shard_size is for stages 1-3 (hybrid sharding); stage 0 shards nothing"),
@@ -792,9 +795,14 @@ def output_tensors(x, seen=None):
     if id(x) in seen or isinstance(x, (str, bytes, type, nn.Module, types.ModuleType)):
         return []
     seen.add(id(x))
-    items = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(
-        x, (list, tuple, set, frozenset)) else [getattr(x, f.name, None) for f in dataclasses.fields(
-            x)] if dataclasses.is_dataclass(x) else list(getattr(x, "__dict__", {}).values())
+    if isinstance(x, dict):
+        items = list(x.values())
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        items = list(x)
+    elif dataclasses.is_dataclass(x):
+        items = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+    else:
+        items = list(getattr(x, "__dict__", {}).values())
     return [t for item in items for t in output_tensors(item, seen)]
 
 
@@ -834,7 +842,7 @@ def _broadcast_buffers(zero_ref, model, args):
         works.append(dist.broadcast(b, src=0, async_op=True))
         zero.meter.sent("broadcast", b)
     for w in works:
-        w.wait()
+        zero.meter.wait(w)
 
 
 def build_device(zero, device):
@@ -1083,12 +1091,37 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups
 
 class Meter:
     """zero.comm: bytes sent per collective kind; zero.peak: the most model-state bytes held,
-    per kind. Part I calls sent() at every collective and event() wherever memory changes."""
+    per kind; waited(): seconds spent waiting on collectives. Part I calls sent() at every
+    collective, event() wherever memory changes and wait() wherever it waits for a collective."""
 
     def __init__(self, zero):
         self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
         self.timeline = None  # while one step is recorded: memory.Timeline (--timeline)
         zero.comm, zero.peak, zero.build_peak = Counter(), Counter(), Counter()
+        self.seconds, self.events, self.cuda = 0.0, [], zero.device.type == "cuda"
+
+    def wait(self, work):
+        """work.wait(), timed: the exposed communication, what overlap did not hide. On CPU the
+        time this thread spends in wait() (gloo's local sum after an all-to-all included). On
+        CUDA wait() only makes the compute stream wait: that stall is timed, with CUDA events."""
+        if not self.cuda:
+            start = time.perf_counter()
+            work.wait()
+            self.seconds += time.perf_counter() - start
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work.wait()
+        end.record()
+        self.events.append((start, end))
+
+    def waited(self):
+        """Seconds waited in wait() so far (CUDA: once the stream has got there, synchronized)."""
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+            self.events = []
+        return self.seconds
 
     def sent(self, kind, full, unit=None, ranks=None):
         """Count what a ring makes this rank send for a collective over `full` (M bytes):
@@ -1272,7 +1305,7 @@ def check_step_agrees(zero):
     if zero.world > 1 and zero.check_steps:
         trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
         t = torch.tensor([trace + missing, -trace], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         zero.meter.sent("all_reduce", t)
         if t.sum() > 1:
             raise RuntimeError("zero: ranks communicated different units in this step (did they "
@@ -1280,7 +1313,7 @@ def check_step_agrees(zero):
         missing = t.sum() == 1
     if zero.world > 1 and (missing or not zero.check_steps):
         t = torch.tensor(got, dtype=torch.uint8, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         zero.meter.sent("all_reduce", t)
         got = t.tolist()
     zero.meter.trace = 0
@@ -1549,12 +1582,19 @@ class OutOfMemory(Exception):
     """A rank ran out of memory (under --max-memory, or a real one): one line, exit code 4."""
 
 
+UNITS = {  # --units: what a unit is (the lists of modules wrap(units=...) takes)
+    "block": lambda model: model.blocks,  # one per transformer block, the root the rest
+    "model": lambda model: [],  # the whole model, one unit: the root
+    "layer": lambda model: [m for m in model.modules() if m is not model and any(  # each module
+        p.requires_grad for p in m.parameters(recurse=False))]}  # with parameters of its own
+
+
 def zero_build(args):
     """build() for train(): zero.wrap with the command line's settings, initializing the meta
     model unit by unit; --init-from's weights then loaded, each rank reading its own shards."""
     def build(model, device):
-        state = _checkpoints().read_state_dict(args.init_from) if args.init_from else None  # before building
-        opt = wrap(model, args.stage, adamw(args), units=model.blocks,
+        state = _checkpoints().read_state_dict(args.init_from) if args.init_from else None
+        opt = wrap(model, args.stage, adamw(args), units=UNITS[args.units](model),
                    param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
                    bucket_bytes=int(args.bucket_mb * 2**20), check_steps=not args.no_step_check,
                    shard_size=args.shard_size, init=GPT.init_weights, device=device)
@@ -1586,7 +1626,8 @@ class Progress:
             if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
                 output.register_hook(lambda g: self.note(f"the backward of {name}"))
         for i, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(lambda m, a, name=f"blocks.{i}": self.block_forward(name))
+            block.register_forward_pre_hook(
+                lambda m, a, name=f"blocks.{i}": self.block_forward(name))
             block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
 
     def used(self):  # bytes allocated above the runtime at the most (memory.Watch): unknown
@@ -1616,11 +1657,13 @@ def train(args, build=None, keep_params=False, quiet=False):
         try:
             return _train(args, build, keep_params, quiet, world, device, model, progress)
         except (RuntimeError, MemoryError) as e:
-            if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
+            if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
+                    m in str(e) for m in (
                     "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
                 raise
             psi, G = sum(p.numel() for p in model.parameters()), args.shard_size or world
-            need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args), G).values())
+            need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args),
+                                      G).values())
             raise OutOfMemory(
                 f"rank {rank}: out of memory in " + f"step {progress.step}, " * bool(progress.step)
                 + progress.what + (f" (--max-memory {_si(args.max_memory)}B)" if args.max_memory
@@ -1641,7 +1684,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     net, opt, label = (build or zero_build(args))(model, device)
     progress.track(model)
     data, log = demo_data(args.data), (lambda *a, **k: None) if quiet else log0
-    log(box([("run", label), ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
+    log(box([("run", label),
+             ("world size", f"{world} ({dist.get_backend()}, device {device.type})"),
              ("Ψ", f"{opt.psi:,} trainable parameters"),
              ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
                        f"bytes of {os.path.basename(args.data) if args.data else 'corpus()'}"),
@@ -1656,14 +1700,16 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count
     # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
     counting = getattr(opt, "counting", contextlib.nullcontext)
+    meter = getattr(opt, "meter", None)  # zero.py's times its waits (PyTorch's runs: unknown)
     times, losses, sent, start, timeline, skipped = [], [], [], Counter(opt.comm), None, 0
+    waits = []  # seconds of each step spent waiting on collectives (Meter.wait)
     if first > args.steps:
         return log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is "
                    f"{args.steps}")
     for step in range(first, args.steps + 1):
         progress.step = step
         progress.note("the forward")
-        t0, sent0 = time.perf_counter(), sum(opt.comm.values())
+        t0, sent0, waited0 = time.perf_counter(), sum(opt.comm.values()), meter and meter.waited()
         if step == args.record_step:
             _memory().start_timeline(opt)  # --timeline: this step's events
         loss_sum = torch.zeros((), device=device)
@@ -1684,7 +1730,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
         # Divergence: a loss (of the global batch: every rank decides the same) or norm not
         # finite is never applied, so never saved: the run stops (--skip-nonfinite: skips it).
-        dist.all_reduce(loss_sum)
+        work = dist.all_reduce(loss_sum, async_op=True)
+        meter.wait(work) if meter else work.wait()
         loss, norm = loss_sum.item() / world, norm.item()
         inf = float("inf")
         finite = abs(loss) < inf and abs(norm) < inf  # False for nan too
@@ -1706,12 +1753,15 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        waits.append(meter and meter.waited() - waited0)
         sent.append(sum(opt.comm.values()) - sent0)
         losses.append(loss)
-        log(f"step {step:4d} | loss {loss:.6f} | {times[-1] * 1e3:8.1f} ms | "
+        log(f"step {step:4d} | loss {loss:.6f} | {times[-1] * 1e3:8.1f} ms"
+            + (f", {waits[-1] * 1e3:6.1f} waiting" if meter else "") + " | "
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + ("" if finite else " | not finite: skipped, the weights are unchanged"))
-        if args.ckpt_dir and (step == args.steps or args.ckpt_every and step % args.ckpt_every == 0):
+        every = args.ckpt_every and step % args.ckpt_every == 0
+        if args.ckpt_dir and (step == args.steps or every):
             last_good = ck.save(opt, args, step, world)
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
@@ -1719,7 +1769,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     # allocated above the runtime (CPU: the data size at its peak, memory.Watch; CUDA: reserved).
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     peak, built = getattr(opt, "peak", {}), getattr(opt, "build_peak", {})
-    mine = {**{("mem", k): v for k, v in mem.items()}, **{("peak", k): peak.get(k, -1) for k in mem},
+    mine = {**{("mem", k): v for k, v in mem.items()},
+            **{("peak", k): peak.get(k, -1) for k in mem},
             **{("build_peak", k): built.get(k, -1) for k in mem}, "cuda_peak": cuda_peak,
             "runtime": runtime, "used": progress.used() if device.type == "cpu" else  # (what
             torch.cuda.max_memory_reserved(device),  # set_per_process_memory_fraction limits)
@@ -1728,6 +1779,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     most = {key: max(r[key] for r in ranks) for key in mine}
     res = {"label": label, "stage": args.stage, "psi": opt.psi, "world": world, "first": first,
            "losses": losses, "times": times, "sent": sent, "timeline": timeline,
+           "waits": waits if meter else None,
+           "units": [(u.flat.numel(), not u.modules) for u in opt.units] if meter else None,
            "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
            "cuda_peak": [r["cuda_peak"] for r in ranks] if cuda_peak >= 0 else None,
            "full": opt.full_state_dict() if keep_params else None,
@@ -1743,9 +1796,11 @@ def report(res, args):
     G = args.shard_size or world  # hybrid sharding: what is sharded is 1/G
     n, (pb, gb, ob) = "N" if G == world else "G", bytes_per_parameter(args)
     formula = memory_formula(stage, psi, world, pb, gb, ob, shard_size=G)
-    labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3), "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
+    labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3),
+              "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
               "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1),
-              "total": [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
+              "total": [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}",
+                        f"{pb}Ψ + {gb + ob}Ψ/{n}",
                         f"{pb + gb + ob}Ψ/{n}"][stage]}
     peak, ours = res["peak"] or {}, res["label"].startswith("zero.py")  # notes on zero.py only
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
@@ -1776,7 +1831,8 @@ def report(res, args):
              "all_gather": f"{2 * k}·{ring}" if stage == 3 else ring,
              across: f"{1 if stage == 1 else k}·2Ψ/G (R-1)/R", "total": ""}
     for kind in [*sorted(set(comm) | set(expected)), "total"]:
-        got, want = (sum(d.values()) if kind == "total" else d.get(kind, 0) for d in (comm, expected))
+        got, want = (sum(d.values()) if kind == "total" else d.get(kind, 0)
+                     for d in (comm, expected))
         log0(f"  {kind:<{24 if G < world else 15}} {got:>14,.0f}   {names.get(kind, '-'):<15} "
              f"{want:>14,.0f}")
     gloo, on_cuda = ours and stage > 0 and dist.get_backend() == "gloo", bool(res["cuda_peak"])
@@ -1805,6 +1861,12 @@ def report(res, args):
             log0(f"  ({note})")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
+    if res["waits"]:  # one step's split: the one at the middle of the sorted times
+        i = sorted(range(len(res["times"])), key=res["times"].__getitem__)[len(res["times"]) // 2]
+        t, w = res["times"][i] * 1e3, res["waits"][i] * 1e3
+        log0(f"step {res['first'] + i}, {t:.1f} ms: {w:.1f} ms waiting on collectives (the "
+             f"communication overlap did not hide,\n  timed in their wait()) + {t - w:.1f} ms "
+             "the rest (compute, the optimizer step, Python)")
     if on_cuda:
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
@@ -1898,6 +1960,9 @@ def training_parser(description):
                            "job per directory (default: no checkpoints)")
     add("--ckpt-every", type=positive(int),
         help="steps between checkpoints (default: after the last step only)")
+    add("--units", choices=list(UNITS), default="block",
+        help="what a unit is: one transformer block (the root: the rest), the whole model, or "
+             "each module with parameters of its own (a layer)")
     add("--max-memory", type=lambda text: _memory().memory_size(text), metavar="SIZE",
         help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its runtime, "
              "enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on a GPU; running out is "
@@ -1961,6 +2026,13 @@ def main(argv=None):
         help="draw the model-state bytes after every event of the last step (default: none)")
     add("--timeline-all", metavar="FILE.svg",
         help="train stages 0-3 in turn and draw their timelines side by side (default: none)")
+    add("--cluster", nargs="?", const="", metavar="KEY=VALUE,...",
+        help="--estimate: predict the time of a step on this cluster too (tradeoffs.py: the "
+             "keys, each with a default; none: the defaults)")
+    add("--tradeoffs", action="store_true",
+        help="train at every stage in this launch; print memory, bytes, time, waiting, "
+             "tokens/s, and the time model's prediction")
+    add("--unit-sizes", action="store_true", help="--tradeoffs: also with --units model, layer")
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
         _memory().check_timeline_args(args)
@@ -1972,19 +2044,13 @@ def main(argv=None):
         _memory().check_largest_model_args(args)
     elif args.world_size is not None and not args.estimate:
         raise UsageError("--world-size is for --estimate and --largest-model")
-    for flag, only in (("params", "estimate"), ("out", "consolidate")):
-        if getattr(args, flag) is not None and not getattr(args, only):
-            raise UsageError(f"--{flag} is for --{only}")
-    if args.estimate:
-        if args.params is None or args.world_size is None:
-            raise UsageError("--estimate needs --params and --world-size")
-        if args.ckpt_dir:
-            raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
-        names = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
-        given = any(len(n) > 2 and "--stage".startswith(n) for n in names)  # (or abbreviated)
+    for flag, only in (("params", "estimate"), ("out", "consolidate"), ("cluster", "estimate"),
+                       ("unit_sizes", "tradeoffs")):
+        if getattr(args, flag) not in (None, False) and not getattr(args, only):
+            raise UsageError(f"--{flag.replace('_', '-')} is for --{only}")
+    if args.estimate or args.tradeoffs:
         import tradeoffs  # a file of its own
-        tradeoffs.estimate(args.params, args.world_size, args.shard_size,
-                           [args.stage] if given else range(4))
+        tradeoffs.command(args, sys.argv[1:] if argv is None else argv)
     elif args.consolidate:
         _checkpoints().consolidate_command(args)
     elif args.largest_model:
@@ -2019,8 +2085,10 @@ def run(main, argv=None):
     except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
         code, line = 4, f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
-        code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" * (
-            "--ckpt-dir" in (argv or sys.argv))) * rank0
+        ckpt = any(a.split("=")[0] in ("--ckpt-dir", "--ckpt-d", "--ckpt-di") for a in (
+            argv or sys.argv))  # (argparse takes abbreviations: --ckpt-e is --ckpt-every)
+        code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
+                           ckpt) * rank0
     except (dist.DistError, RuntimeError) as e:
         # Another rank died (its sockets close: gloo fails at once) or a collective waited past
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
@@ -2029,7 +2097,8 @@ def run(main, argv=None):
                 "timed out", "NCCL")):
             raise
         code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
-                         f"rank is gone or --timeout passed ({str(e).strip().splitlines()[0][:200]})")
+                         "rank is gone or --timeout passed "
+                         f"({str(e).strip().splitlines()[0][:200]})")
     else:
         line = ""
     if line:
