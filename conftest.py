@@ -76,8 +76,8 @@ def scenario(*worlds, reads=(), chain=False, cuda=()):
     files it reads, which then run first at every world size they run at; chain: at each world
     size after the first, it reads what it wrote at the one before."""
     def register(fn):
-        SCENARIOS[fn.__module__, fn.__name__] = (worlds, [reads] if callable(reads) else list(reads),
-                                                 chain, cuda)
+        SCENARIOS[fn.__module__, fn.__name__] = (
+            worlds, [reads] if callable(reads) else list(reads), chain, cuda)
         return fn
     return register
 
@@ -95,8 +95,9 @@ def plan(modules):
     launches, at = [(w, []) for w in (4, 2, 1, 3)], {}  # at: (key, world) -> index of its launch
     for key, (worlds, reads, chain, _) in [(k, v) for k, v in SCENARIOS.items() if k in wanted]:
         for k, world in enumerate(worlds):
-            deps = [((r.__module__, r.__name__), w) for r in reads
-                    for w in SCENARIOS[r.__module__, r.__name__][0]] + [(key, worlds[k - 1])] * (chain and k > 0)
+            deps = ([((r.__module__, r.__name__), w) for r in reads
+                     for w in SCENARIOS[r.__module__, r.__name__][0]]
+                    + [(key, worlds[k - 1])] * (chain and k > 0))
             need = max([at[d] + (d[1] != world) for d in deps], default=0)
             i = next((i for i in range(need, len(launches)) if launches[i][0] == world), None)
             if i is None:
@@ -138,7 +139,8 @@ def _rank_process(conn, transport):
                           LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           ZERO_TEST_TMP=shared)
         backend = "nccl" if transport == "cuda-nccl" else "gloo"
-        DEVICE = torch.device("cpu") if transport == "cpu" else zero.choose_device(backend, "cuda")[1]
+        DEVICE = (torch.device("cpu") if transport == "cpu"
+                  else zero.choose_device(backend, "cuda")[1])
         dist.init_process_group(backend, timeout=timedelta(seconds=60))
         for module, name in keys:
             for setting, value in defaults.items():
@@ -208,8 +210,8 @@ class Pool:
         answered = [0] * world
         while min(answered) < len(keys):
             waiting = [r for r in range(world) if answered[r] < len(keys)]
-            ready = wait_for_any([self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting],
-                                 timeout=1200)
+            ready = wait_for_any([self.conns[r] for r in waiting]
+                                 + [self.procs[r].sentinel for r in waiting], timeout=1200)
             if not ready:
                 return min(answered), f"no answer from ranks {waiting} in 1200 s"
             for r in waiting:
@@ -222,7 +224,8 @@ class Pool:
                 except (EOFError, OSError):
                     self.procs[r].join(1)
                     return answered[r], (f"rank {r}: the rank process ended, exit code "
-                                         f"{self.procs[r].exitcode} (negative: killed by that signal)")
+                                         f"{self.procs[r].exitcode} "
+                                         "(negative: killed by that signal)")
                 if message is not None:
                     return answered[r], f"rank {r}: {message}"
                 answered[r] += 1
@@ -260,7 +263,8 @@ def on_cpu(x):
 # that starts only when a CUDA case runs and a GPU is visible. N ranks share one GPU over gloo
 # (NCCL refuses two ranks on one GPU); NCCL runs where there is a GPU per rank, and with one rank
 # on any GPU (what `python zero.py` does on a one-GPU machine).
-CUDA_RUNS = [("cuda-nccl", 1), ("cuda-gloo", 2), ("cuda-gloo", 4), ("cuda-nccl", 2), ("cuda-nccl", 4)]
+CUDA_RUNS = [("cuda-nccl", 1), ("cuda-gloo", 2), ("cuda-gloo", 4), ("cuda-nccl", 2),
+             ("cuda-nccl", 4)]
 
 
 def run_id(run):
@@ -272,12 +276,14 @@ def cuda_missing(transport="cuda-gloo", world=1):
     """Why a CUDA run of `world` ranks over `transport` cannot run here; None if it can."""
     if not torch.cuda.is_available():
         built = torch.version.cuda or torch.version.hip
-        return f"no CUDA GPU: {'none is visible' if built else 'this torch is built without CUDA'} " \
+        return "no CUDA GPU: " \
+               f"{'none is visible' if built else 'this torch is built without CUDA'} " \
                f"(torch {torch.__version__})"
     if transport == "cuda-nccl" and not dist.is_nccl_available():
         return f"NCCL: this torch ({torch.__version__}) is built without it"
     if transport == "cuda-nccl" and torch.cuda.device_count() < world:
-        return (f"NCCL needs a GPU per rank: {world} ranks, {torch.cuda.device_count()} GPU(s) visible "
+        return (f"NCCL needs a GPU per rank: {world} ranks, "
+                f"{torch.cuda.device_count()} GPU(s) visible "
                 "(the cuda-gloo cases share one)")
     return None
 
@@ -338,7 +344,8 @@ CASES = {
                 accum=1, clip=None, units="blocks"),
     # AdamW and clipping hardly notice a gradient off by a constant factor; plain SGD does. Two
     # micro-batches, default units (the blocks, found by default_units).
-    "sgd-accum": dict(optimizer=functools.partial(torch.optim.SGD, lr=0.1), accum=2, clip=None, units=None),
+    "sgd-accum": dict(optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                      accum=2, clip=None, units=None),
 }
 
 
@@ -350,7 +357,8 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(seed)  # ranks build different weights: wrap must broadcast rank 0's
         self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(2))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D))
+                                    for _ in range(2))
         self.frozen = nn.Linear(D, D)
         self.frozen.requires_grad_(False)
         self.norm = nn.LayerNorm(D)
@@ -371,9 +379,11 @@ def global_batch(step, micro, world):
     return x, (x * 7 + 3) % V  # a learnable target
 
 
-def run_steps(model, optimizer, clip, case, rows, world, steps, start=0, after_step=lambda: None, no_sync=True):
+def run_steps(model, optimizer, clip, case, rows, world, steps, start=0, after_step=lambda: None,
+              no_sync=True):
     """The training loop, the same for zero.py (rows: this rank's) and the reference (rows: all).
-    zero.py's micro-batches but the last run in no_sync() (no_sync=False: every backward reduces)."""
+    zero.py's micro-batches but the last run in no_sync() (no_sync=False: every backward
+    reduces)."""
     for step in range(start, start + steps):
         for micro in range(case["accum"]):
             x, y = (t[rows].to(DEVICE) for t in global_batch(step, micro, world))
@@ -400,15 +410,18 @@ def reference(case, world, steps=STEPS):
 
 def wrapped(rank, stage, case, seed, **kwargs):
     model = Net(seed=seed + rank).to(DEVICE)
-    units = {"blocks": list(model.blocks), "each": [model.emb, *model.blocks, model.norm, model.head],
+    units = {"blocks": list(model.blocks),
+             "each": [model.emb, *model.blocks, model.norm, model.head],
              None: None}[CASES[case]["units"]]
     return model, zero.wrap(model, stage, CASES[case]["optimizer"], units=units, **kwargs)
 
 
 def unit_layout(opt):
-    return {"psi": opt.psi, "S": [u.S for u in opt.units], "root": [not u.modules for u in opt.units],
+    return {"psi": opt.psi, "S": [u.S for u in opt.units],
+            "root": [not u.modules for u in opt.units],
             "emb": [any(p is opt.model.emb.weight for p in u.params) for u in opt.units],
-            "pieces": len(opt.optimizer.param_groups[0]["params"])}  # the tensors the optimizer steps
+            # the tensors the optimizer steps
+            "pieces": len(opt.optimizer.param_groups[0]["params"])}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,9 +458,11 @@ def main_refused(main, argv):
 def run_py(*args, torchrun=0, script=os.path.join(HERE, "zero.py"), torchrun_args=(), env=ENV):
     """script (zero.py) with args, as a process of its own (on the CPU: env hides the GPUs), or
     under torchrun with that many ranks."""
-    launcher = [sys.executable, *(["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", *torchrun_args]
+    launcher = [sys.executable, *(["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
+                                   *torchrun_args]
                                   if torchrun else [])]
-    return subprocess.run(launcher + [script, *args], capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    return subprocess.run(launcher + [script, *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=HERE)
 
 
 def launcher_script(path, body):
@@ -479,9 +494,11 @@ def refused(tmp_path_factory):
             # found once the process group exists and the model is built
             "after setup": (["zero.py", *SMALL, "--init-from", missing], f"--init-from {missing}"),
             "fsdp_demo.py": (["fsdp_demo.py", "--stage", "1", "--bf16"], "--bf16"),
-            "mistakes.py": (["mistakes.py", "no-such-mistake"], "no mistake named 'no-such-mistake'")}
-    procs = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=ENV, cwd=HERE) for name, (args, _) in runs.items()}
+            "mistakes.py": (["mistakes.py", "no-such-mistake"],
+                            "no mistake named 'no-such-mistake'")}
+    procs = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=ENV, cwd=HERE)
+             for name, (args, _) in runs.items()}
     done = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
@@ -494,11 +511,13 @@ def full_checkpoint(path):
     weights and optimizer state), assembled here from the parts, independently of zero.py's
     reader, plus the optimizer's scalars of each parameter ("scalars": {name: {key: value}})."""
     manifest = json.load(open(os.path.join(path, "manifest.json")))
-    parts = [torch.load(os.path.join(path, f), weights_only=True) for f in sorted(manifest["files"])]
+    parts = [torch.load(os.path.join(path, f), weights_only=True)
+             for f in sorted(manifest["files"])]
     full = {}
     for i, params in enumerate(manifest["units"]):
         for key in ["master"] + list(parts[0]["units"][i]["state"]):
-            get = (lambda unit: unit["master"]) if key == "master" else (lambda unit, key=key: unit["state"][key])
+            get = ((lambda unit: unit["master"]) if key == "master"
+                   else (lambda unit, key=key: unit["state"][key]))
             flat = torch.cat([get(part["units"][i]) for part in parts])  # [N*S]
             o = 0
             for name, shape in params:
@@ -528,7 +547,8 @@ zero.run(main)
 
 @pytest.fixture(scope="session")
 def cli_runs(tmp_path_factory):
-    path = launcher_script(tmp_path_factory.mktemp("cli") / "runs.py", CLI_DRIVER.format(runs=CLI_RUNS))
+    path = launcher_script(tmp_path_factory.mktemp("cli") / "runs.py",
+                           CLI_DRIVER.format(runs=CLI_RUNS))
     out = run_py(script=path, torchrun=4)
     parts = re.split(r"^=== (.+)\n", out.stdout, flags=re.M)[1:]
     return out, dict(zip(parts[::2], parts[1::2]))

@@ -97,8 +97,8 @@ def watch(model, opt):
     """The most a rank held at any moment, sampled from inside forward and backward: bytes from
     memory_breakdown(), units gathered, full unit gradients held, reduce-scatters in flight and
     all-gathers prefetched. The hooks hold `opt` weakly (see zero._grad_hook)."""
-    seen, ref = dict.fromkeys(["params", "grads", "gathered", "grads_held", "in_flight", "prefetching",
-                               "untracked"], 0), weakref.ref(opt)
+    seen, ref = dict.fromkeys(["params", "grads", "gathered", "grads_held", "in_flight",
+                               "prefetching", "untracked"], 0), weakref.ref(opt)
 
     def sample(*_):
         opt = ref()
@@ -138,7 +138,8 @@ def landed_only_when_waited():
 
 def parameters_alive():
     # (isinstance(o, nn.Parameter) alone runs Python code for each of the process's objects)
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and isinstance(o, nn.Parameter)]
+    return [o for o in gc.get_objects()
+            if isinstance(o, torch.Tensor) and isinstance(o, nn.Parameter)]
 
 
 def train_every_way(rank, world):
@@ -152,10 +153,13 @@ def train_every_way(rank, world):
             def after_step():
                 rec["mem"] = opt.memory_breakdown()  # after the step, before zero_grad
                 comm.append(dict(opt.comm))
-            # "adamw" is the run with overlap that test_overlap_changes_nothing_but_timing looks into
+            # "adamw" is the run with overlap that
+            # test_overlap_changes_nothing_but_timing looks into
             with landed_only_when_waited() if case == "adamw" else contextlib.nullcontext():
-                run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, after_step=after_step)
-            rec["comm"] = [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]
+                run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS,
+                          after_step=after_step)
+            rec["comm"] = [{k: b.get(k, 0) - a.get(k, 0) for k in b}
+                           for a, b in zip(comm, comm[1:])]
             rec["full"] = opt.full_state_dict()
             rec["layout"] = unit_layout(opt)
             out[(stage, case)] = rec
@@ -168,10 +172,12 @@ def train_every_way(rank, world):
                   after_step=lambda: comm.append(dict(opt.comm)))
         out[(stage, "bucketed")] = {"full": opt.full_state_dict(), "layout": unit_layout(opt),
                                     "names": [[n for n, _ in u] for u in zero.layout(opt)["units"]],
-                                    "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]}
+                                    "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b}
+                                             for a, b in zip(comm, comm[1:])]}
 
         # Overlap off: the same run, every collective waited for where it is issued (under the same
-        # landed_only_when_waited as the run with overlap: what is in flight is what is not waited for)
+        # landed_only_when_waited as the run with overlap: what is in flight is what is not
+        # waited for)
         model, opt = wrapped(rank, stage, "adamw", seed=100, overlap=False)
         seen = watch(model, opt)
         with landed_only_when_waited():
@@ -197,7 +203,8 @@ def train_every_way(rank, world):
             finally:
                 setattr(zero, setting[0], saved)
             out[(stage, name)] = {"full": opt.full_state_dict(),
-                                  "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b} for a, b in zip(comm, comm[1:])]}
+                                  "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b}
+                                           for a, b in zip(comm, comm[1:])]}
 
         # Every backward reduces (no no_sync() around the first micro-batch): accumulating on top
         # of reduced gradients must still give the reference, at k times the communication.
@@ -206,18 +213,22 @@ def train_every_way(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["sgd-accum"], rows, world, STEPS,
                   after_step=lambda: comm.append(dict(opt.comm)), no_sync=False)
         out[(stage, "every-backward")] = {"full": opt.full_state_dict(), "layout": unit_layout(opt),
-                                          "comm": {k: v - comm[-2].get(k, 0) for k, v in comm[-1].items()}}
+                                          "comm": {k: v - comm[-2].get(k, 0)
+                                                   for k, v in comm[-1].items()}}
 
         # Mixed precision: bf16 compute, fp32 reductions (and bf16 reductions, at stage 2)
-        for name, reduce_dtype in [("bf16", None)] + [("bf16-reduce", torch.bfloat16)] * (stage == 2):
-            model, opt = wrapped(rank, stage, "adamw", seed=100, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        for name, reduce_dtype in ([("bf16", None)]
+                                   + [("bf16-reduce", torch.bfloat16)] * (stage == 2)):
+            model, opt = wrapped(rank, stage, "adamw", seed=100, param_dtype=torch.bfloat16,
+                                 reduce_dtype=reduce_dtype)
             comm = [dict(opt.comm)]
             rec = watch(model, opt)
 
             def after_step():
                 rec["mem"] = opt.memory_breakdown()
                 comm.append(dict(opt.comm))
-            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS, after_step=after_step)
+            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, STEPS,
+                      after_step=after_step)
             rec["comm"] = {k: v - comm[-2].get(k, 0) for k, v in comm[-1].items()}
             rec.update(full=opt.full_state_dict(), layout=unit_layout(opt), peak=dict(opt.peak),
                        dtypes={str(p.dtype) for p in model.parameters()})
@@ -238,7 +249,8 @@ def trained(rank, world):
     return out
 
 
-RUNS = [("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS]  # (transport, N): the CUDA runs where a GPU is
+# (transport, N): the CUDA runs where a GPU is
+RUNS = [("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS]
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=run_id)
@@ -272,7 +284,8 @@ def test_clipping_really_clips():
     params = [p for p in model.parameters() if p.requires_grad]
     run_steps(model, unclipped["optimizer"](params), None, unclipped, slice(None), 2, STEPS)
     clipped = reference("adamw", 2)
-    assert max((p.detach() - clipped[n]).abs().max().item() for n, p in model.named_parameters()) > 1e-4
+    assert max((p.detach() - clipped[n]).abs().max().item()
+               for n, p in model.named_parameters()) > 1e-4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,12 +300,15 @@ def test_memory_matches_formula(ranks, stage):
         lay = rec["layout"]
         padded = world * sum(lay["S"])  # parameters incl. padding, per rank
         shard = lambda sharded: padded // world if sharded else padded
-        exact = {"params": 4 * shard(stage >= 3), "grads": 4 * shard(stage >= 2),  # + AdamW's float32
-                 "optimizer": 8 * shard(stage >= 1) + 4 * lay["pieces"]}  # step counter of each piece
+        exact = {"params": 4 * shard(stage >= 3), "grads": 4 * shard(stage >= 2),
+                 # + AdamW's float32 step counter of each piece
+                 "optimizer": 8 * shard(stage >= 1) + 4 * lay["pieces"]}
         assert rec["mem"] == exact
         formula = zero.memory_formula(stage, lay["psi"], world)
-        for kind in formula:  # the paper's formula, up to padding (< N elements per unit) and step counters
-            assert abs(rec["mem"][kind] - formula[kind]) <= 8 * world * len(lay["S"]) + 4 * lay["pieces"], kind
+        # the paper's formula, up to padding (< N elements per unit) and step counters
+        for kind in formula:
+            assert (abs(rec["mem"][kind] - formula[kind])
+                    <= 8 * world * len(lay["S"]) + 4 * lay["pieces"]), kind
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -306,14 +322,17 @@ def test_sharded_state_is_never_whole(ranks, stage):
         for case in CASES:
             rec = res[(stage, case)]
             full, units = 4 * world * sum(rec["layout"]["S"]), len(rec["layout"]["S"])
-            assert 1 <= rec["grads_held"] <= 2 < units  # full gradients of one or two units at a time
+            # full gradients of one or two units at a time
+            assert 1 <= rec["grads_held"] <= 2 < units
             if stage == 3:
                 # at most three at once: the one computing, the next one prefetched, and the root
                 # (or, with the tied head in a unit of its own, the embedding's unit)
                 assert 1 <= rec["gathered"] <= 3 and (units <= 3 or rec["gathered"] < units)
             assert rec["in_flight"] <= 1  # overlap keeps one reduce-scatter in flight, as FSDP2
-        if world == 4:  # in bytes too, without overlap's in-flight buffers (with N = 2 the tiny Net's
-            off = res[(stage, "no-overlap")]  # root unit plus a block is more than the model)
+        # in bytes too, without overlap's in-flight buffers (with N = 2 the tiny Net's root unit
+        # plus a block is more than the model)
+        if world == 4:
+            off = res[(stage, "no-overlap")]
             full = 4 * world * sum(res[(stage, "adamw")]["layout"]["S"])
             assert 0 < off["grads"] < full
             assert 0 < off["params"] < full if stage == 3 else off["params"] == full
@@ -343,7 +362,8 @@ def expected_comm(stage, case, world, lay):
             {"reduce_scatter": k * ring, "all_gather": ring},
             # forward + backward, minus the root's backward gather (kept from forward); the "adamw"
             # units have emb and head apart, so emb is gathered once more, for the head's forward
-            {"reduce_scatter": k * ring, "all_gather": k * (2 * ring - root + (emb if root == 0 else 0))}][stage]
+            {"reduce_scatter": k * ring,
+             "all_gather": k * (2 * ring - root + (emb if root == 0 else 0))}][stage]
     if CASES[case]["clip"] and stage >= 1:
         want["all_reduce"] = 2 * (world - 1) * 4 / world  # the sum of squares for the global norm
     want["all_reduce"] = want.get("all_reduce", 0) + CHECK * (world - 1) / world
@@ -364,7 +384,8 @@ def test_communication_matches_formula(ranks, stage, case):
             assert {k: v for k, v in step.items() if v} == {k: v for k, v in want.items() if v}
         if case == "sgd" and stage < 3:  # the paper's 2Ψ(N-1)/N, up to padding
             formula = sum(zero.comm_formula(stage, rec["layout"]["psi"], world).values())
-            assert abs(sum(rec["comm"][0].values()) - formula) <= 8 * world * len(rec["layout"]["S"])
+            assert (abs(sum(rec["comm"][0].values()) - formula)
+                    <= 8 * world * len(rec["layout"]["S"]))
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -389,18 +410,21 @@ def test_buckets_merge_and_split_units_and_change_nothing_else(ranks, stage):
     # Walking backwards from the head's bias (52 bytes), a bucket closes once it holds 300 bytes:
     # the norm and the last Linear of block 1 (388), then block 1's first Linear (308), block 0's
     # bias and last Linear (332), and what is left, block 0's first weight with the embedding.
-    buckets = [["emb.weight", "blocks.0.0.weight"], ["blocks.0.0.bias", "blocks.0.2.weight", "blocks.0.2.bias"],
+    buckets = [["emb.weight", "blocks.0.0.weight"],
+               ["blocks.0.0.bias", "blocks.0.2.weight", "blocks.0.2.bias"],
                ["blocks.1.0.weight", "blocks.1.0.bias"],
                ["blocks.1.2.weight", "blocks.1.2.bias", "norm.weight", "norm.bias", "head.bias"]]
     for res in results:
         rec, plain = res[(stage, "bucketed")], res[(stage, "adamw")]
         if stage == 3:
-            assert rec["layout"]["S"] == plain["layout"]["S"]  # units as given: what a module gathers
+            # units as given: what a module gathers
+            assert rec["layout"]["S"] == plain["layout"]["S"]
         else:
             assert rec["names"] == buckets
         assert_trains_like(rec["full"], want, cuda)
         for step in rec["comm"]:  # the same bytes as the formula, in fewer calls
-            assert {k: v for k, v in step.items() if v} == {k: v for k, v in expected_comm(stage, "adamw", world, rec["layout"]).items() if v}
+            assert {k: v for k, v in step.items() if v} == {
+                k: v for k, v in expected_comm(stage, "adamw", world, rec["layout"]).items() if v}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,7 +436,8 @@ def test_overlap_changes_nothing_but_timing(ranks, stage):
     world, results, cuda = ranks
     for res in results:
         on, off = res[(stage, "adamw")], res[(stage, "no-overlap")]
-        assert_trains_like(on["full"], off["full"], cuda, tol=0)  # bit-identical (on a GPU: see there)
+        # bit-identical (on a GPU: see there)
+        assert_trains_like(on["full"], off["full"], cuda, tol=0)
         assert_trains_like(res[(stage, "sgd")]["full"], res[(stage, "no-overlap sgd")], cuda, tol=0)
         # Both runs are sampled under landed_only_when_waited: "in flight" is what zero.py has
         # issued and not waited for, whatever the backend had finished by then. (That the bytes
@@ -420,7 +445,8 @@ def test_overlap_changes_nothing_but_timing(ranks, stage):
         # overlap, backward goes on while a reduction it launched is not waited for, and in stage
         # 3 while the next unit's all-gather is; without, every collective is waited for at once.
         assert on["in_flight"] >= 1 and off["in_flight"] == 0
-        assert (on["prefetching"] >= 1 if stage == 3 else on["prefetching"] == 0) and off["prefetching"] == 0
+        assert ((on["prefetching"] >= 1 if stage == 3 else on["prefetching"] == 0)
+                and off["prefetching"] == 0)
 
 
 @pytest.mark.parametrize("way", ["native", "reduces"])
@@ -454,7 +480,8 @@ def collectives(rank, world):
                 got, y = torch.empty(S, dtype=dtype), x.clone()
                 works = [zero.reduce_scatter(got, x.clone(), async_op=async_op),
                          zero.reduce_scatter(y[rank * S:(rank + 1) * S], y, async_op=async_op)]
-                full, flat = torch.empty(world * S, dtype=dtype), torch.zeros(world * S, dtype=dtype)
+                full, flat = (torch.empty(world * S, dtype=dtype),
+                              torch.zeros(world * S, dtype=dtype))
                 flat[rank * S:(rank + 1) * S] = shard
                 works += [zero.all_gather(full, shard, async_op=async_op),
                           zero.all_gather(flat, flat[rank * S:(rank + 1) * S], async_op=async_op)]
@@ -552,7 +579,8 @@ class Sometimes(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(7)
-        self.first, self.mid, self.extra, self.last = nn.Linear(D, D), Pair(), nn.Linear(D, D), nn.Linear(D, V)
+        self.first, self.mid, self.extra, self.last = (nn.Linear(D, D), Pair(), nn.Linear(D, D),
+                                                       nn.Linear(D, V))
         self.step = 0
 
     def forward(self, x):
@@ -568,8 +596,10 @@ def sometimes_steps(model, opt, rows, world, create_graph, set_to_none=True):
         model.step = step
         for micro in range(2):
             g = torch.Generator().manual_seed(10 * step + micro)
-            x, y = torch.randn(world * B, D, generator=g)[rows], torch.randint(V, (world * B,), generator=g)[rows]
-            with opt.no_sync() if hasattr(opt, "no_sync") and micro == 0 else contextlib.nullcontext():
+            x, y = (torch.randn(world * B, D, generator=g)[rows],
+                    torch.randint(V, (world * B,), generator=g)[rows])
+            with (opt.no_sync() if hasattr(opt, "no_sync") and micro == 0
+                  else contextlib.nullcontext()):
                 F.cross_entropy(model(x), y).div(2).backward(create_graph=create_graph)
         opt.step()  # the reference: plain torch, which skips a parameter whose .grad is None
         opt.zero_grad(set_to_none=set_to_none)
@@ -588,12 +618,15 @@ def sometimes(rank, world):
         for create_graph in (False, True) if stage < 2 else (False,):
             for name, optimizer in SOMETIMES_OPTIMIZERS.items():
                 model = Sometimes()
-                opt = zero.wrap(model, stage, optimizer, units=[model.first, model.mid, model.extra, model.last])
+                opt = zero.wrap(model, stage, optimizer,
+                                units=[model.first, model.mid, model.extra, model.last])
                 sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, create_graph)
                 out[(stage, create_graph, name)] = opt.full_state_dict()
         model = Sometimes()  # zero_grad(set_to_none=False)
-        opt = zero.wrap(model, stage, SOMETIMES_OPTIMIZERS["adamw"], units=[model.first, model.mid, model.extra, model.last])
-        sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, False, set_to_none=False)
+        opt = zero.wrap(model, stage, SOMETIMES_OPTIMIZERS["adamw"],
+                        units=[model.first, model.mid, model.extra, model.last])
+        sometimes_steps(model, opt, slice(rank * B, (rank + 1) * B), world, False,
+                        set_to_none=False)
         out[(stage, "zeros", "adamw")] = opt.full_state_dict()
     return out
 
@@ -606,16 +639,20 @@ def test_unused_parameters_and_out_of_place_accumulation(ran):
     # unused in a step is not stepped at all, as plain torch skips it (AdamW's decay would show).
     # zero_grad(set_to_none=False) keeps zeros, which both step (AdamW decays a parameter unused).
     world, want = 2, {}
-    for name, optimizer in [*SOMETIMES_OPTIMIZERS.items(), ("zeros", SOMETIMES_OPTIMIZERS["adamw"])]:
+    for name, optimizer in [*SOMETIMES_OPTIMIZERS.items(),
+                            ("zeros", SOMETIMES_OPTIMIZERS["adamw"])]:
         model = Sometimes()
-        sometimes_steps(model, optimizer(model.parameters()), slice(None), world, False, set_to_none=name != "zeros")
+        sometimes_steps(model, optimizer(model.parameters()), slice(None), world, False,
+                        set_to_none=name != "zeros")
         want[name] = {n: p.detach() for n, p in model.named_parameters()}
-    assert (want["zeros"]["extra.weight"] - want["adamw"]["extra.weight"]).abs().max() > 1e-4  # they differ
+    # they differ
+    assert (want["zeros"]["extra.weight"] - want["adamw"]["extra.weight"]).abs().max() > 1e-4
     for res in ran(sometimes, 2):
         for (stage, create_graph, opt_name), got in res.items():
             for name, t in got.items():
                 key = "zeros" if create_graph == "zeros" else opt_name
-                assert (t - want[key][name]).abs().max().item() <= 1e-5, (stage, create_graph, opt_name, name)
+                assert (t - want[key][name]).abs().max().item() <= 1e-5, \
+                    (stage, create_graph, opt_name, name)
 
 
 @dataclasses.dataclass
@@ -664,7 +701,8 @@ class Tasks(nn.Module):
         return out + (self.aux(h) if self.step % 2 else 0)
 
 
-TASKS_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)  # decay: a stepped parameter moves
+# decay: a stepped parameter moves
+TASKS_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 RARE_ROWS = {0: [], 1: [0], 2: [0, -1], 3: [-1]}  # step -> rows of the global batch that use `rare`
 
 
@@ -672,7 +710,8 @@ def tasks_steps(model, opt, rows, world, steps, around_step=None):
     for step in steps:
         model.step = step
         if step >= 2:
-            model.first.weight.requires_grad_(False)  # the fine-tuning schedule: frozen mid-training
+            # the fine-tuning schedule: frozen mid-training
+            model.first.weight.requires_grad_(False)
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(world * B, D, generator=g), torch.randint(V, (world * B,), generator=g)
         use_rare = torch.zeros(world * B, dtype=torch.bool)
@@ -689,8 +728,9 @@ def tasks_reference(world):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-UNUSED = {0: {"aux.weight", "aux.bias", "rare.weight", "rare.bias"}, 1: set(),  # step -> what no rank
-          2: {"aux.weight", "aux.bias", "first.weight"}, 3: {"first.weight"}}   # gives a gradient
+# step -> what no rank gives a gradient
+UNUSED = {0: {"aux.weight", "aux.bias", "rare.weight", "rare.bias"}, 1: set(),
+          2: {"aux.weight", "aux.bias", "first.weight"}, 3: {"first.weight"}}
 
 
 def snapshot(opt):
@@ -700,7 +740,8 @@ def snapshot(opt):
     for u in opt.units:
         for piece, owners in zip(u.pieces, u.owners):
             for p in owners:
-                state.setdefault(names[p], []).append({k: v.clone() for k, v in opt.optimizer.state.get(piece, {}).items()})
+                state.setdefault(names[p], []).append(
+                    {k: v.clone() for k, v in opt.optimizer.state.get(piece, {}).items()})
     aux = next(u for u in opt.units if opt.model.aux in u.modules)
     return {"values": opt.full_state_dict(), "state": state, "aux compute": aux.shard.clone()}
 
@@ -711,13 +752,16 @@ def tasks(rank, world):
     if world == 4:  # hybrid sharding: G = 2 groups of 2
         runs = [(stage, dict(shard_size=2)) for stage in range(1, 4)]
     else:
-        runs = [(stage, kwargs) for stage in range(4) for kwargs in ({}, dict(param_dtype=torch.bfloat16))]
+        runs = [(stage, kwargs) for stage in range(4)
+                for kwargs in ({}, dict(param_dtype=torch.bfloat16))]
         runs.append((2, dict(check_steps=False)))  # the mask's all-reduce is made without the check
     for stage, kwargs in runs:
         model = Tasks()
-        opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux], **kwargs)
+        opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[*model.blocks, model.head, model.aux],
+                        **kwargs)
         rec = {"around": {}, "gathered": []}
-        modules = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], "head": model.head, "aux": model.aux}
+        modules = {"blocks.0": model.blocks[0], "blocks.1": model.blocks[1], "head": model.head,
+                   "aux": model.aux}
         units = {n: next(u for u in opt.units if m in u.modules) for n, m in modules.items()}
 
         def after_forward(module, args, output):
@@ -726,11 +770,13 @@ def tasks(rank, world):
         model.register_forward_hook(after_forward)
 
         def around_step(step, do):
-            rec["gathered"].append(any(u.gathered for u in opt.units if u.modules))  # after backward
+            # after backward
+            rec["gathered"].append(any(u.gathered for u in opt.units if u.modules))
             before, none = snapshot(opt), {n for n, p in model.named_parameters() if p.grad is None}
             do()
             rec["around"][step] = (before, snapshot(opt))
-            rec.setdefault("grad None", {})[step] = (none, {n for n, p in model.named_parameters() if p.grad is None})
+            rec.setdefault("grad None", {})[step] = (
+                none, {n for n, p in model.named_parameters() if p.grad is None})
         tasks_steps(model, opt, rows, world, range(4), around_step)
         rec["full"] = opt.full_state_dict()
         rec["per parameter"] = [u.per_parameter for u in opt.units]  # which units were cut again
@@ -756,7 +802,8 @@ def test_unused_and_frozen_parameters_are_not_stepped_as_in_torch(tasks_runs):
                 got = rec["full"]
                 if "bfloat16" in key[1]:  # bf16 compute: close, not equal
                     off = sum((got[n] - want[n]).pow(2).sum() for n in want).sqrt()
-                    assert off < 0.1 * sum((want[n] - initial[n]).pow(2).sum() for n in want).sqrt(), key
+                    assert off < 0.1 * sum((want[n] - initial[n]).pow(2).sum()
+                                           for n in want).sqrt(), key
                 else:
                     for name, t in want.items():
                         assert (got[name] - t).abs().max().item() <= 1e-5, (world, key, name)
@@ -767,16 +814,22 @@ def test_unused_and_frozen_parameters_are_not_stepped_as_in_torch(tasks_runs):
                     for name in want:
                         same = torch.equal(before["values"][name], after["values"][name])
                         assert same == (name in UNUSED[step]), (world, key, step, name)
-                        for a, b in zip(before["state"].get(name, []), after["state"].get(name, [])):
-                            assert (a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)) == same
-                    assert torch.equal(before["aux compute"], after["aux compute"]) == (step % 2 == 0)
-                    aux = before["state"]["aux.weight"]  # no optimizer state until aux's first step (step 1)
+                        for a, b in zip(before["state"].get(name, []),
+                                        after["state"].get(name, [])):
+                            assert (a.keys() == b.keys()
+                                    and all(torch.equal(a[k], b[k]) for k in a)) == same
+                    assert (torch.equal(before["aux compute"], after["aux compute"])
+                            == (step % 2 == 0))
+                    # no optimizer state until aux's first step (step 1)
+                    aux = before["state"]["aux.weight"]
                     assert aux and all(s == {} for s in aux) == (step <= 1)
                 if key[0] == 3:  # after backward only the root unit may still be gathered: none is
                     assert rec["gathered"] == [False] * 4
-                # Pieces per parameter only where a piece held parameters with and without a gradient:
-                # the root unit (first and rare) on rank 0, never a unit used whole or not at all
-                assert rec["per parameter"][:4] == [False] * 4 and (rec["per parameter"][4] or res is not results[0])
+                # Pieces per parameter only where a piece held parameters with and without a
+                # gradient: the root unit (first and rare) on rank 0, never a unit used whole or
+                # not at all
+                assert (rec["per parameter"][:4] == [False] * 4
+                        and (rec["per parameter"][4] or res is not results[0]))
 
 
 def test_an_unused_parameters_grad_is_none_as_in_torch(tasks_runs):
@@ -790,7 +843,8 @@ def test_an_unused_parameters_grad_is_none_as_in_torch(tasks_runs):
                 for step, (after_backward, after_step) in rec["grad None"].items():
                     rare = {"rare.weight", "rare.bias"}
                     here = any(i % (world * B) // B == rank for i in RARE_ROWS[step])
-                    want = (names, names) if key[0] >= 2 else (UNUSED[step] | (set() if here else rare), UNUSED[step])
+                    want = ((names, names) if key[0] >= 2
+                            else (UNUSED[step] | (set() if here else rare), UNUSED[step]))
                     assert (after_backward, after_step) == want, (world, rank, key, step)
 
 
@@ -801,7 +855,8 @@ def test_stage3_hooks_a_unit_output_of_any_structure(tasks_runs):
     for results in tasks_runs:
         for res in results:
             rec = res[(3, "{}")] if (3, "{}") in res else res[(3, "{'shard_size': 2}")]
-            assert rec["after_forward"] == {"blocks.0": False, "blocks.1": True, "head": False, "aux": False}
+            assert rec["after_forward"] == {"blocks.0": False, "blocks.1": True, "head": False,
+                                            "aux": False}
 
 
 def test_output_tensors_are_found_at_any_depth():
@@ -817,10 +872,11 @@ def test_output_tensors_are_found_at_any_depth():
 
     class Obj:
         def __init__(self):
-            self.x, self.me, self.module = t[4], self, nn.Linear(1, 1)  # a cycle; a module is not opened
+            # a cycle; a module is not opened
+            self.x, self.me, self.module = t[4], self, nn.Linear(1, 1)
     hidden = Slotted(t[5])
-    output = {"pair": Pair(t[0], [t[1]]), "record": Record(t[2], {"k": (t[3], "text")}), "obj": Obj(),
-              "slots": hidden, "none": None}
+    output = {"pair": Pair(t[0], [t[1]]), "record": Record(t[2], {"k": (t[3], "text")}),
+              "obj": Obj(), "slots": hidden, "none": None}
     assert [id(x) for x in zero.output_tensors(output)] == [id(x) for x in t[:5]]
 
 
@@ -859,7 +915,8 @@ class Normed(nn.Module):
 def normed_steps(model, opt, rows, world, seen=None):
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(world * B, D, generator=g) * (step + 1) + step, torch.randint(V, (world * B,), generator=g)
+        x, y = (torch.randn(world * B, D, generator=g) * (step + 1) + step,
+                torch.randint(V, (world * B,), generator=g))
         F.cross_entropy(model(x[rows]), y[rows]).backward()
         opt.step()
         opt.zero_grad()
@@ -871,11 +928,14 @@ def buffers_runs(rank, world):
     for stage in range(4):
         for buffers in ("none", "broadcast"):
             model = Normed()
-            opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=list(model.blocks), buffers=buffers)
+            opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=list(model.blocks),
+                            buffers=buffers)
             starts = []  # the buffers as each forward starts (after zero.py's broadcast, if any)
-            model.register_forward_pre_hook(lambda m, a: starts.append({n: b.clone() for n, b in model.named_buffers()}))
+            model.register_forward_pre_hook(
+                lambda m, a: starts.append({n: b.clone() for n, b in model.named_buffers()}))
             normed_steps(model, opt, slice(rank * B, (rank + 1) * B), world)
-            out[(stage, buffers)] = {"starts": starts, "end": {n: b.clone() for n, b in model.named_buffers()},
+            out[(stage, buffers)] = {"starts": starts,
+                                     "end": {n: b.clone() for n, b in model.named_buffers()},
                                      "comm": dict(opt.comm)}
     try:
         zero.wrap(Normed(), 0, TASKS_OPTIMIZER, buffers="broadcast" if rank else "none")
@@ -896,7 +956,8 @@ def test_buffers_broadcast_or_kept_per_rank(ran, one_rank):
 
     def plain(rows):
         model, stats = Normed(), []
-        model.register_forward_pre_hook(lambda m, a: stats.append({n: b.clone() for n, b in model.named_buffers()}))
+        model.register_forward_pre_hook(
+            lambda m, a: stats.append({n: b.clone() for n, b in model.named_buffers()}))
         normed_steps(model, torch.optim.SGD(model.parameters(), lr=0), rows, world)
         return stats, {n: b.clone() for n, b in model.named_buffers()}
     per_rank = [plain(slice(r * B, (r + 1) * B)) for r in range(world)]
@@ -904,18 +965,24 @@ def test_buffers_broadcast_or_kept_per_rank(ran, one_rank):
     for stage in range(4):
         none, broadcast = ([res[(stage, b)] for res in runs] for b in ("none", "broadcast"))
         for rank in range(world):
-            for got, want in zip(none[rank]["starts"] + [none[rank]["end"]], per_rank[rank][0] + [per_rank[rank][1]]):
+            for got, want in zip(none[rank]["starts"] + [none[rank]["end"]],
+                                 per_rank[rank][0] + [per_rank[rank][1]]):
                 assert all(torch.allclose(got[n], want[n]) for n in want), (stage, rank)
-            assert not torch.allclose(none[rank]["end"]["norm.running_var"], whole["norm.running_var"])
-            for got, want in zip(broadcast[rank]["starts"], per_rank[0][0]):  # rank 0's, on every rank
+            assert not torch.allclose(none[rank]["end"]["norm.running_var"],
+                                      whole["norm.running_var"])
+            # rank 0's, on every rank
+            for got, want in zip(broadcast[rank]["starts"], per_rank[0][0]):
                 assert all(torch.allclose(got[n], want[n]) for n in want), (stage, rank)
-            assert broadcast[rank]["comm"]["broadcast"] > 0 and "broadcast" not in none[rank]["comm"]
+            assert (broadcast[rank]["comm"]["broadcast"] > 0
+                    and "broadcast" not in none[rank]["comm"])
         mean = (none[0]["end"]["norm.running_mean"] + none[1]["end"]["norm.running_mean"]) / 2
         assert torch.allclose(mean, whole["norm.running_mean"], atol=1e-6)
-        assert not torch.allclose(none[0]["end"]["norm.running_mean"], none[1]["end"]["norm.running_mean"])
+        assert not torch.allclose(none[0]["end"]["norm.running_mean"],
+                                  none[1]["end"]["norm.running_mean"])
     for res in runs:
         assert res["disagree"].startswith("zero: ranks disagree: rank 0 has buffers")
-    with pytest.raises(ValueError, match="^zero: buffers must be 'broadcast' or 'none', not 'sync'$"):
+    with pytest.raises(ValueError,
+                       match="^zero: buffers must be 'broadcast' or 'none', not 'sync'$"):
         zero.wrap(Normed(), 0, TASKS_OPTIMIZER, buffers="sync")
 
 
@@ -928,7 +995,8 @@ def gathered_runs(rank, world):
     for stage in range(4):
         for dtype in (None, torch.bfloat16):
             model, opt = wrapped(rank, stage, "adamw", seed=100, param_dtype=dtype)
-            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], slice(rank * B, (rank + 1) * B), world, 1)
+            run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"],
+                      slice(rank * B, (rank + 1) * B), world, 1)
             rec = {"full": opt.full_state_dict(), "outside": opt.memory_breakdown()["params"]}
             with opt.gathered():
                 rec["inside"] = opt.memory_breakdown()["params"]
@@ -974,19 +1042,27 @@ def test_gathered_parameters_read_write_back_and_memory(ran):
                 exact = dtype == "None"
                 for name, t in rec["full"].items():  # what a reader sees: the model's values
                     got = rec["read"][name].float()
-                    assert torch.equal(got, t) if exact else torch.allclose(got, t, atol=1e-2), (stage, dtype, name)
-                assert torch.allclose(rec["logits"], want, atol=1e-5 if exact else 0.1), (stage, dtype)
+                    assert (torch.equal(got, t) if exact
+                            else torch.allclose(got, t, atol=1e-2)), (stage, dtype, name)
+                assert torch.allclose(rec["logits"], want,
+                                      atol=1e-5 if exact else 0.1), (stage, dtype)
                 # stage 3 holds the full parameters inside only (once more than its 1/N shards)
-                assert (rec["inside"] > rec["outside"]) == (stage == 3) and rec["after"] == rec["outside"]
-                assert rec["one block"] == [stage < 3 or i == 1 for i in range(len(rec["one block"]))]
-                w = rec["written"]["blocks.1.0.weight"]  # rank 0's value, exactly, in the fp32 masters
-                assert torch.equal(w, torch.ones_like(w)) and rec["written"]["blocks.1.0.bias"][0] == 1.0
+                assert ((rec["inside"] > rec["outside"]) == (stage == 3)
+                        and rec["after"] == rec["outside"])
+                assert rec["one block"] == [stage < 3 or i == 1
+                                            for i in range(len(rec["one block"]))]
+                # rank 0's value, exactly, in the fp32 masters
+                w = rec["written"]["blocks.1.0.weight"]
+                assert (torch.equal(w, torch.ones_like(w))
+                        and rec["written"]["blocks.1.0.bias"][0] == 1.0)
                 assert torch.equal(rec["compute"], torch.ones_like(rec["compute"]))
                 for name, t in rec["written"].items():
                     if name not in ("blocks.1.0.weight", "blocks.1.0.bias"):
-                        assert torch.equal(t, rec["full"][name]), (stage, dtype, name)  # fp32 bits kept
+                        # fp32 bits kept
+                        assert torch.equal(t, rec["full"][name]), (stage, dtype, name)
                     assert torch.equal(rec["rewritten"][name], t), (stage, dtype, name)
-                assert rec["refused"].startswith("zero: optimizer.gathered() inside a forward or backward")
+                assert rec["refused"].startswith(
+                    "zero: optimizer.gathered() inside a forward or backward")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
@@ -994,7 +1070,8 @@ def test_clipping_in_any_dtype_is_torchs(one_rank, dtype):
     # The norm is taken in the gradients' dtype, at least float32 (bf16 squares would round
     # away): float64 gradients keep float64, as torch's clip_grad_norm_ does (float32 raised).
     torch.manual_seed(0)
-    model, x = nn.Sequential(nn.Linear(D, D), nn.Linear(D, V)).to(dtype), torch.randn(B, D, dtype=dtype)
+    model, x = (nn.Sequential(nn.Linear(D, D), nn.Linear(D, V)).to(dtype),
+                torch.randn(B, D, dtype=dtype))
     plain = copy.deepcopy(model)
     opt = zero.wrap(model, 1, functools.partial(torch.optim.SGD, lr=0.1))
     model(x).square().sum().backward()
@@ -1014,18 +1091,21 @@ class Three(nn.Sequential):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_torch_gradient_conventions_and_conversions(one_rank, stage):
-    # As plain torch: an unused parameter's .grad is None after backward; zero_grad(set_to_none=False)
-    # leaves zeros, which backward adds to and AdamW steps (the middle layer, used at step 0 only,
-    # decays at step 1). model.to()/.float()/.half() work where they change nothing and are
-    # refused in one line where they would convert a unit's parameters.
+    # As plain torch: an unused parameter's .grad is None after backward;
+    # zero_grad(set_to_none=False) leaves zeros, which backward adds to and AdamW steps (the
+    # middle layer, used at step 0 only, decays at step 1). model.to()/.float()/.half() work where
+    # they change nothing and are refused in one line where they would convert a unit's
+    # parameters.
     def build():
         torch.manual_seed(3)
         return Three(nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, V))
     plain, model = build(), build()
     ref = TASKS_OPTIMIZER(plain.parameters())
     opt = zero.wrap(model, stage, TASKS_OPTIMIZER, units=[model[0], model[1]])
-    for bad, named in ((model.half, "0.weight"), (functools.partial(model.to, torch.float64), "0.weight"),
-                       (model[1].double, "1.weight"), (model[2].half, "2.weight")):  # the module's own
+    for bad, named in ((model.half, "0.weight"),
+                       (functools.partial(model.to, torch.float64), "0.weight"),
+                       (model[1].double, "1.weight"),
+                       (model[2].half, "2.weight")):  # the module's own
         with pytest.raises(RuntimeError) as e:
             bad()
         assert str(e.value).startswith(f"zero: converting the wrapped model would make {named} ")
@@ -1072,7 +1152,8 @@ def test_sparse_gradients_are_refused_by_name(one_rank, stage):
 
 
 class TwoDtypes(nn.Module):
-    """A float64 layer, then a float32 one: buckets must not mix them (one flat buffer, one dtype)."""
+    """A float64 layer, then a float32 one: buckets must not mix them (one flat buffer, one
+    dtype)."""
 
     def __init__(self):
         super().__init__()
@@ -1086,7 +1167,8 @@ class TwoDtypes(nn.Module):
 def two_dtypes_steps(model, opt, rows, world, steps=range(2)):
     for step in steps:
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(world * B, D, generator=g)[rows], torch.randint(V, (world * B,), generator=g)[rows]
+        x, y = (torch.randn(world * B, D, generator=g)[rows],
+                torch.randint(V, (world * B,), generator=g)[rows])
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -1097,7 +1179,8 @@ def three_ranks(rank, world):
     out, rows = {}, slice(rank * B, (rank + 1) * B)
     for stage in range(3):
         model = TwoDtypes()
-        opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1), bucket_bytes=1 << 20)
+        opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1),
+                        bucket_bytes=1 << 20)
         two_dtypes_steps(model, opt, rows, world)
         out[(stage, "two dtypes")] = ({n: t.double() for n, t in opt.full_state_dict().items()},
                                       [sorted({str(p.dtype) for p in u.params}) for u in opt.units])
@@ -1105,7 +1188,8 @@ def three_ranks(rank, world):
         for case, no_sync in (("sgd", True), ("sgd-accum", True), ("sgd-accum", False)):
             for overlap in (True, False):
                 model, opt = wrapped(rank, stage, case, seed=100, overlap=overlap)
-                run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, no_sync=no_sync)
+                run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS,
+                          no_sync=no_sync)
                 out[(stage, case, no_sync, overlap)] = opt.full_state_dict()
     return out
 
@@ -1125,7 +1209,8 @@ def test_three_ranks_match_the_reference(ran):
                 assert (got[name] - p.detach().double()).abs().max().item() <= 1e-5, (stage, name)
         for (stage, case, no_sync, overlap), got in res.items():
             for name, t in got.items():
-                assert (t - want[case][name]).abs().max().item() <= 1e-5, (stage, case, no_sync, overlap, name)
+                assert (t - want[case][name]).abs().max().item() <= 1e-5, \
+                    (stage, case, no_sync, overlap, name)
 
 
 def test_stage3_gathers_what_each_module_computes_with(one_rank):
@@ -1175,7 +1260,8 @@ class Deep(nn.Module):
         super().__init__()
         torch.manual_seed(3)
         self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(4))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D))
+                                    for _ in range(4))
         self.head = nn.Linear(D, V)
         self.mode, self.only = mode, None  # only: compute with this one block alone
 
@@ -1243,9 +1329,11 @@ def real_code(rank, world):
         out["rewrap"] = str(e)
     # Ranks that disagree on a setting that changes what is communicated: every rank refuses
     out["disagree"] = {}
-    for name, kwargs in [("param_dtype", dict(param_dtype=torch.bfloat16)), ("overlap", dict(overlap=False))]:
+    for name, kwargs in [("param_dtype", dict(param_dtype=torch.bfloat16)),
+                         ("overlap", dict(overlap=False))]:
         try:
-            zero.wrap(Deep(), 1 if name == "param_dtype" else 0, optimizer, **(kwargs if rank == 1 else {}))
+            zero.wrap(Deep(), 1 if name == "param_dtype" else 0, optimizer,
+                      **(kwargs if rank == 1 else {}))
             out["disagree"][name] = None
         except ValueError as e:
             out["disagree"][name] = str(e)
@@ -1279,7 +1367,8 @@ def deep_reference(world):
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", CHECKPOINT_MODES, ids=lambda m: f"reentrant={m[0]}-early_stop={m[1]}")
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES,
+                         ids=lambda m: f"reentrant={m[0]}-early_stop={m[1]}")
 @pytest.mark.parametrize("stage", range(4))
 def test_activation_checkpointing_trains_like_the_reference(real_runs, stage, mode):
     want = deep_reference(2)
@@ -1346,7 +1435,8 @@ def test_default_units_find_the_blocks_at_any_depth():
     for model, blocks in [(m, m.transformer.h) for m in [GPT2Like()]] + \
             [(m, m.model.layers) for m in [LlamaLike()]] + [(m, m.blocks) for m in [ViTLike()]]:
         assert zero.default_units(model) == list(blocks), type(model).__name__
-    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))  # no repeated blocks: children
+    # no repeated blocks: children
+    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))
     assert zero.default_units(flat) == [flat[0], flat[2]]
 
 
@@ -1384,15 +1474,18 @@ def hybrid(rank, world):
             def after_step():
                 mem.append(opt.memory_breakdown())
                 comm.append(dict(opt.comm))
-            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, after_step=after_step)
-            out[(stage, case)] = {"full": opt.full_state_dict(), "layout": unit_layout(opt), "mem": mem[-1],
+            run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS,
+                      after_step=after_step)
+            out[(stage, case)] = {"full": opt.full_state_dict(), "layout": unit_layout(opt),
+                                  "mem": mem[-1],
                                   "comm": [{k: b.get(k, 0) - a.get(k, 0) for k in b}
                                            for a, b in zip(comm, comm[1:])]}
             # every backward reduces (no no_sync; stages 2 and 3 always do): at stage 1 the landed
             # sum stays in the buffer that the next backward reduces again, across replicas too
             if stage == 1 and case == "sgd-accum":
                 model, opt = wrapped(rank, stage, case, seed=100, shard_size=G)
-                run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS, no_sync=False)
+                run_steps(model, opt, opt.clip_grad_norm_, CASES[case], rows, world, STEPS,
+                          no_sync=False)
                 out[(stage, case, "every-backward")] = opt.full_state_dict()
     out["bad"] = []
     for stage, shard_size in [(1, 3), (0, 2)]:
@@ -1416,7 +1509,8 @@ def test_hybrid_sharding_matches_the_reference(hybrid_runs, stage, case):
     # with no_sync() around all micro-batches but the last, and with every backward reducing
     want, (runs, cuda) = reference(case, 4), hybrid_runs
     for res in runs:
-        for got in [res[(stage, case)]["full"]] + [res[key] for key in [(stage, case, "every-backward")] if key in res]:
+        for got in ([res[(stage, case)]["full"]]
+                    + [res[key] for key in [(stage, case, "every-backward")] if key in res]):
             assert_trains_like(got, want, cuda)
 
 
@@ -1427,10 +1521,12 @@ def test_hybrid_memory_and_communication_by_group(hybrid_runs, stage, case):
     R, k = N // G, CASES[case]["accum"]
     for res in hybrid_runs[0]:
         rec = res[(stage, case)]
-        lay, S = rec["layout"], sum(rec["layout"]["S"])  # S: a unit's 1/G, padded to a multiple of N
+        # S: a unit's 1/G, padded to a multiple of N
+        lay, S = rec["layout"], sum(rec["layout"]["S"])
         # memory: what is sharded is 1/G of the model, not 1/N
         full = 4 * G * S
-        adam = (2 * full // G if stage >= 1 else 2 * full) + 4 * lay["pieces"]  # m, v and step counters
+        # m, v and step counters
+        adam = (2 * full // G if stage >= 1 else 2 * full) + 4 * lay["pieces"]
         assert rec["mem"] == {"params": full // G if stage >= 3 else full,
                               "grads": full // G if stage >= 2 else full,
                               "optimizer": adam if case == "adamw" else 0}  # plain SGD: no state
@@ -1475,26 +1571,31 @@ def estimate_rows(stdout):
 
 
 def test_estimate_reproduces_the_paper():
-    rows = estimate_rows(main_printed(zero.main, ["--estimate", "--params", "7.5e9", "--world-size", "64"]))
+    rows = estimate_rows(main_printed(zero.main, ["--estimate", "--params", "7.5e9",
+                                                  "--world-size", "64"]))
     assert [rows[s][0] for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
     assert [rows[s][1] for s in range(4)] == [1.477e10] * 3 + [2.215e10]  # 2Ψ or 3Ψ (N-1)/N
     assert all(rows[s][2] == 0 for s in range(4))
-    out = main_printed(zero.main, ["--estimate", "--params", "1e9", "--world-size", "8"])  # 16, 5.5, 3.75, 2 GB
+    # 16, 5.5, 3.75, 2 GB
+    out = main_printed(zero.main, ["--estimate", "--params", "1e9", "--world-size", "8"])
     assert [estimate_rows(out)[s][0] for s in range(4)] == [16.0, 5.5, 3.8, 2.0]
     # hybrid, G = 8 of N = 64: stage 3 holds 16Ψ/8; only 2Ψ/G (R-1)/R elements cross groups
-    rows = estimate_rows(main_printed(zero.main, ["--estimate", "--params", "7.5e9", "--world-size", "64",
-                                                  "--shard-size", "8"]))
+    rows = estimate_rows(main_printed(zero.main, ["--estimate", "--params", "7.5e9",
+                                                  "--world-size", "64", "--shard-size", "8"]))
     assert rows[3][0] == 15.0 and rows[3][2] == 1.641e9 and rows[0][2] == 1.477e10
     with pytest.raises(zero.UsageError, match="--shard-size 7 does not divide --world-size 64"):
         zero.main(["--estimate", "--params", "7.5e9", "--world-size", "64", "--shard-size", "7"])
     # --stage: that stage's row alone, and its communication; --ckpt-dir refused; Ψ = 1e30 fits
-    out = main_printed(zero.main, ["--estimate", "--params", "7.5e9", "--world-size", "64", "--stage", "1"])
+    out = main_printed(zero.main, ["--estimate", "--params", "7.5e9", "--world-size", "64",
+                                   "--stage", "1"])
     assert estimate_rows(out) == {1: (31.4, 1.477e10, 0.0)} and "2Ψ(N-1)/N for stage 1" in out
-    with pytest.raises(zero.UsageError, match="^--ckpt-dir is for training: --estimate trains nothing$"):
+    with pytest.raises(zero.UsageError,
+                       match="^--ckpt-dir is for training: --estimate trains nothing$"):
         zero.main(["--estimate", "--params", "7.5e9", "--world-size", "64", "--ckpt-dir", "x"])
     out = main_printed(zero.main, ["--estimate", "--params", "1e30", "--world-size", "64"])
     table = out.splitlines()[4:9]
-    assert len({len(line) for line in table}) == 1 and len(table[0]) <= 100, table  # the columns hold
+    # the columns hold
+    assert len({len(line) for line in table}) == 1 and len(table[0]) <= 100, table
     assert [float(line.split()[-4]) for line in table[1:]] == [2e22, 4e21, 2e21, 3e20]  # total, GB
 
 
@@ -1525,11 +1626,13 @@ def test_each_step_is_split_into_waiting_and_the_rest(cli_runs):
     # next to the step's time, and in the report, one step's split, which adds up.
     for stage in range(4):
         out = cli_runs[1][f"stage {stage}"]
-        steps = re.findall(r"^step +\d+ \| loss \S+ \| +(\S+) ms, +(\S+) waiting \| sent", out, re.M)
+        steps = re.findall(r"^step +\d+ \| loss \S+ \| +(\S+) ms, +(\S+) waiting \| sent",
+                           out, re.M)
         assert len(steps) == 3 and all(0 <= float(w) <= float(t) for t, w in steps), out
-        split = re.search(r"^step (\d+), (\S+) ms: (\S+) ms waiting on collectives .*\n.* \+ (\S+) ms the "
-                          r"rest", out, re.M)
-        assert split and float(split[2]) == pytest.approx(float(split[3]) + float(split[4]), abs=0.11)
+        split = re.search(r"^step (\d+), (\S+) ms: (\S+) ms waiting on collectives .*\n"
+                          r".* \+ (\S+) ms the rest", out, re.M)
+        assert split and float(split[2]) == pytest.approx(float(split[3]) + float(split[4]),
+                                                          abs=0.11)
         assert (split[2], split[3]) in steps  # the step the split is of
 
 
@@ -1561,9 +1664,11 @@ def test_waiting_is_measured_where_the_rank_waits(ran):
         assert late[stage] < early[stage] - 0.2, (stage, early, late)
 
 
-BAD = [["--stage", "7"], ["--steps", "0"], ["--d-model", "-3"], ["--d-model", "30", "--n-head", "4"],
+BAD = [["--stage", "7"], ["--steps", "0"], ["--d-model", "-3"],
+       ["--d-model", "30", "--n-head", "4"],
        ["--clip", "-1"], ["--estimate", "--params", "abc", "--world-size", "4"],
-       ["--estimate", "--params", "-1", "--world-size", "64"], ["--estimate", "--params", "nan", "--world-size", "2"],
+       ["--estimate", "--params", "-1", "--world-size", "64"],
+       ["--estimate", "--params", "nan", "--world-size", "2"],
        ["--estimate", "--params", "1e9"], ["--no-such-flag"],
        ["--max-memory", "100kB"]]  # below 1MB: a thread the runtime starts would abort the process
 if not torch.cuda.is_available():
@@ -1582,7 +1687,8 @@ def test_bad_input_is_one_line_and_exit_2(refused):
     # code 2), its message one line, and nothing else is printed.
     for args in BAD:
         printed, errors = io.StringIO(), io.StringIO()
-        with pytest.raises(zero.UsageError) as e, contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        with pytest.raises(zero.UsageError) as e, contextlib.redirect_stdout(printed), \
+                contextlib.redirect_stderr(errors):
             zero.main(args)
         assert str(e.value) and "\n" not in str(e.value), args
         assert printed.getvalue() == errors.getvalue() == "", args
@@ -1647,10 +1753,13 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     # Without torchrun to stop the group: rank 1 is killed mid-training; rank 0 leaves with a
     # one-line error (gloo sees the closed connection at once; a rank that hung instead would be
     # caught by --timeout). What is asserted holds wherever rank 0 is when rank 1 dies.
-    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(conftest._free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "zero.py"), *CKPT, "--steps", "100000",
-                               "--timeout", "30"], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(conftest._free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "zero.py"), *CKPT,
+                               "--steps", "100000", "--timeout", "30"],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
     for line in procs[0].stdout:
         if line.startswith("step    3 |"):
             break
@@ -1667,8 +1776,8 @@ def test_a_dead_rank_ends_the_job(tmp_path):
 # The demo GPT, with every tensor under 1 MiB (a block: 198,272 parameters, 793 kB in fp32): the
 # caching allocator serves those from its small pool, exactly, in multiples of 512 bytes, so what
 # torch.cuda.memory_allocated counts is the tensors alive, to within that rounding.
-REPORT = ["--d-model", "128", "--n-layer", "8", "--n-head", "4", "--seq-len", "32", "--batch-size", "2",
-          "--steps", "3"]
+REPORT = ["--d-model", "128", "--n-layer", "8", "--n-head", "4", "--seq-len", "32",
+          "--batch-size", "2", "--steps", "3"]
 CUDA_REPORT_RUNS = [("cuda-nccl", 1), ("cuda-gloo", 2), ("cuda-nccl", 2)]
 
 
@@ -1722,7 +1831,8 @@ def cuda_report(rank, world):
                 zero.report(res, args)
             panel = memory.timeline_panel(res, args)
             out[(stage, bf16)] = dict(res, base=base, act=act, stdout=printed.getvalue(),
-                                      text=memory.timeline_text([panel]), svg=memory.timeline_svg([panel]))
+                                      text=memory.timeline_text([panel]),
+                                      svg=memory.timeline_svg([panel]))
     return out
 
 
@@ -1748,7 +1858,8 @@ def report_state(stage, bf16, world):
     parameter on units padded to N parts, plus AdamW's step counter per unit (one piece each)."""
     pb, gb, ob = (2, 2, 12) if bf16 else (4, 4, 8)
     S = sum(-(-n // world) for n in report_units())  # a rank's shard of every unit
-    return {"params": pb * S * (1 if stage >= 3 else world), "grads": gb * S * (1 if stage >= 2 else world),
+    return {"params": pb * S * (1 if stage >= 3 else world),
+            "grads": gb * S * (1 if stage >= 2 else world),
             "optimizer": ob * S * (1 if stage >= 1 else world) + 4 * len(report_units())}
 
 
@@ -1762,11 +1873,13 @@ def peak_parts(stage, bf16, world, backend, act):
     sizes = [-(-n // world) * world for n in report_units()]
     padded, unit = sum(sizes), max(sizes)
     stepped = padded // world if stage >= 1 else padded  # the elements this rank's optimizer steps
-    return {"model state, formula": sum(zero.memory_formula(stage, padded, world, pb, gb, ob).values()),
+    return {"model state, formula":
+                sum(zero.memory_formula(stage, padded, world, pb, gb, ob).values()),
             "gathered units: computing, prefetched, root": 3 * pb * unit * (stage == 3),
             "full unit gradients: filling, in flight": 2 * gb * unit * (stage >= 2),
             "fp32 copies of unit gradients, reduced": 2 * 4 * unit * bf16,
-            "gloo's copy of a reduce-scatter's input": 2 * 4 * unit * (backend == "gloo" and stage >= 1),
+            "gloo's copy of a reduce-scatter's input": (2 * 4 * unit
+                                                        * (backend == "gloo" and stage >= 1)),
             "optimizer step temporaries": 4 * stepped * (2 if bf16 else 1),
             "activations, measured without zero.py": act,
             "rounding to 512 bytes, the last logits": 256 << 10}
@@ -1917,7 +2030,8 @@ def hybrid_in_a_new_group(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["sgd"], rows, world, STEPS)
         out.append(opt.full_state_dict())
         dist.destroy_process_group()
-        store = dist.FileStore(os.path.join(os.environ["ZERO_TEST_TMP"], f"regroup{attempt}"), world)
+        store = dist.FileStore(os.path.join(os.environ["ZERO_TEST_TMP"], f"regroup{attempt}"),
+                               world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     return out
 

@@ -260,9 +260,9 @@ def predict_cluster(args, psi, world, cluster):
         if keys:
             print(f"\n{kind}:" + "".join(("\n " if i % 4 == 0 else "") + f" {k}={getattr(c, k):g}"
                                          for i, k in enumerate(keys)))
-    print("formulas: activations 34·s·b·h bytes a layer (Korthikanti et al. 2022), the optimizer "
-          "step 32\nbytes an element stepped at memory_bw. Not modeled: kernel launches, the "
-          "logits' memory,\nfragmentation, compute slowed by communication on the same GPU")
+    print("formulas: activations 34·s·b·h bytes a layer (Korthikanti et al. 2022), the "
+          "optimizer step 32\nbytes an element stepped at memory_bw. Not modeled: kernel launches, "
+          "the logits' memory,\nfragmentation, compute slowed by communication on the same GPU")
     fitting = [r for r in rows if r[3]]
     if not fitting:
         print("verdict: no stage fits in gpu_memory, with or without checkpointing: memory "

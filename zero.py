@@ -36,11 +36,11 @@ waits for its all-gather before it computes.
 
 How to read this file. Part I is the algorithm, complete: the sharded layout (a Unit), the two
 collectives, one class per stage (a subclass of the one before, overriding what it changes) and
-wrap(). Stop after ZeRO1 and you know ZeRO-1; after wrap(), all four stages. Part II is what
-every run uses, each piece a section that Part I calls by name. The rest has files of its own:
-checkpoints.py, memory.py (a real limit per rank, the memory wall, one step drawn), meta_init.py
-(models built on the meta device), mistakes.py (the classic mistakes, beside the right code),
-fsdp_demo.py (the same training with PyTorch's DDP and FSDP2). The stages share one interface:
+wrap(). Stop after ZeRO1 (and _grad_hook, wrap) to know ZeRO-1; at wrap(), all four. Part II is
+what every run uses, each piece a section that Part I calls by name. Files of their own hold
+the rest: checkpoints.py, memory.py (limits, the memory wall, one step drawn), tradeoffs.py (which
+stage when, in time), hybrid.py, meta_init.py (models built on the meta device), mistakes.py (the
+classic mistakes), fsdp_demo.py (the same with PyTorch's DDP and FSDP2). One interface for all:
 
     optimizer = zero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     with optimizer.no_sync():           # optional: micro-batches that only accumulate (as DDP)
@@ -99,7 +99,7 @@ class Unit:
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
         self.my_slice = slice(rank * self.S, (rank + 1) * self.S)  # shard r, of rank r
-        self.shard = self.flat[self.my_slice]  # [S] this rank's part of the parameters
+        self.shard = self.flat[self.my_slice]  # [S] this rank's part (stage 0: all of flat)
         # Each stage's _shard sets what follows (stage 0: all of flat, a full gradient):
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
@@ -210,8 +210,8 @@ class DataParallel:
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
         if p.grad.data_ptr() != view.data_ptr():
-            if p in unit.hidden and p not in unit.received:  # unused here until now: its view
-                view.add_(p.grad.detach())  # holds the other ranks' mean; add, as torch adds
+            if p in unit.hidden and p not in unit.received:  # unused in an earlier backward:
+                view.add_(p.grad.detach())  # its view holds what was reduced; add, as torch
             else:
                 view.copy_(p.grad.detach())
         p.grad = view if self.keeps_full_grads else None
@@ -249,7 +249,7 @@ class DataParallel:
     def _land_reductions(self, wait=True):
         # Oldest first, the same order as without overlap, so the sums are the same: with wait,
         # every one; else those beyond max_in_flight (all at stage 0, whose in-place all-reduces
-        # hold no memory of their own; from stage 1 on, one: each holds a buffer: configure) and
+        # hold no memory of their own; from stage 1 on, one: each may hold a buffer) and
         # those complete already.
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
@@ -276,7 +276,7 @@ class DataParallel:
             if unit.unreduced:
                 self._reduce_unit(unit)
             else:
-                count_unused(self, unit)  # (reduced in backward; or no gradient at all)
+                count_unused(self, unit)  # local: zero what no gradient overwrote (checks)
         self._land_reductions()
         # One small all-reduce (checks): every rank reduced the same units, and which parameters
         # got a gradient on some rank: step() steps those only, as torch skips a parameter whose
@@ -432,7 +432,7 @@ class ZeRO2(ZeRO1):
 
     def _reduce_unit(self, unit):
         super()._reduce_unit(unit)  # the same reduce-scatter as ZeRO1, launched during backward
-        unit.grad = None  # dropped here; the reduced slice keeps the [N*S] buffer until it lands
+        unit.grad = None  # dropped; what is reduced ([N*S], or its copy) lives until it lands
         self.meter.event("gradient buffer dropped", unit)  # (freed once the sum has landed)
 
     def _land(self, unit, summed):
@@ -449,8 +449,8 @@ class ZeRO3(ZeRO2):
     reduce-scattered. Only the unit computing is gathered (with overlap, also the next one,
     prefetched; and the root), never the whole model. Memory 16Ψ/N (paper); communication
     3Ψ (N-1)/N: the parameters are all-gathered twice per step, not once. The root unit (what no
-    unit holds, e.g. embeddings and final norm) stays gathered from the start of forward to the
-    end of backward, as FSDP2 keeps its root: backward needs it again at once."""
+    unit holds, e.g. embeddings and final norm) stays gathered from the start of forward until
+    its gradient is reduced, as FSDP2 keeps its root: backward needs it again at once."""
 
     stage = 3
 
@@ -495,7 +495,7 @@ class ZeRO3(ZeRO2):
 
     def _pre_forward(self, units, module, args):
         if recomputing(self, units):  # activation checkpointing: a forward run again in
-            return                    # backward, which gathers the units and counts no users
+            return  # backward; recomputing() gathers the units itself and counts no users
         for u in units:
             u.users += 1
             self._gather(u)
@@ -1922,7 +1922,7 @@ def training_parser(description):
             ("--n-head", int, 4, "attention heads"), ("--seq-len", int, 64, "bytes per row"),
             ("--batch-size", int, 8, "rows per rank per micro-batch"),
             ("--grad-accum", int, 1, "micro-batches (backward calls) per step"),
-            ("--lr", float, 3e-3, "AdamW's learning rate; applied also when resuming"),
+            ("--lr", float, 2e-3, "AdamW's learning rate; applied also when resuming"),
             ("--timeout", float, 600, f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} "
                                       f"to {TIMEOUTS[1]:g}")]:
         add(flag, type=positive(kind), default=default, help=text)
