@@ -156,3 +156,17 @@ def test_tradeoff_table_is_the_reports(cli_runs):
         assert ratio == pytest.approx(step / predicted, rel=0.02, abs=0.01)
         assert tokens == pytest.approx(4 * 4 * 16 / (step / 1e3), rel=0.02)
     assert "calibrated here" in table and "On CPU compute and communication share" in table
+
+
+def test_cluster_estimate_assumes_a_shape_from_psi_where_none_is_given():
+    out = main_printed(zero.main, ["--estimate", "--params", "7e9", "--world-size", "16",
+                                   "--cluster", ""])
+    # GPT-3's and Llama's 7B are 32 layers of 4096: Ψ ≈ 12·L·d² with d = 128·L gives about that
+    assert "33 layers of d_model 4224, 1 row(s) x\n2048 tokens per rank" in out
+    assert "(assumed, not given: layers and d_model from Ψ, d_model = 128·layers)" in out
+    assert "(assumed, not given: seq_len 2048)" in out
+    out = main_printed(zero.main, SEVEN_B + ["--cluster", ""])  # every shape flag given
+    assert "32 layers of d_model 4096, 1 row(s) x\n4096 tokens" in out and "not given" not in out
+    out = main_printed(zero.main, ["--estimate", "--params", "7e9", "--world-size", "16",
+                                   "--n-lay", "32", "--cluster", ""])  # (abbreviated)
+    assert "32 layers of d_model 4288" in out and "d_model from Ψ and layers" in out

@@ -57,14 +57,16 @@ def command(args, argv):
     if args.ckpt_dir:
         raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
     names = [a.split("=")[0] for a in argv]
-    given = any(len(n) > 2 and "--stage".startswith(n) for n in names)  # (or abbreviated)
+    given = {flag for flag in ("--stage", "--n-layer", "--d-model", "--seq-len", "--batch-size")
+             if any(len(n) > 2 and flag.startswith(n) for n in names)}  # (or abbreviated)
     cluster = None if args.cluster is None else parse_cluster(args.cluster)
     if cluster and args.world_size % min(cluster.gpus_per_node, args.world_size):
         raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "
                          f"--world-size {args.world_size}")
-    estimate(args.params, args.world_size, args.shard_size, [args.stage] if given else range(4))
+    estimate(args.params, args.world_size, args.shard_size,
+             [args.stage] if "--stage" in given else range(4))
     if cluster is not None:
-        predict_cluster(args, args.params, args.world_size, cluster)
+        predict_cluster(model_shape(args, given), args.params, args.world_size, cluster)
 
 
 def estimate(psi, world, shard_size=None, stages=range(4)):
@@ -221,6 +223,31 @@ def activation_bytes(layers, d_model, seq_len, rows, checkpointing):
         per_layer * layers
 
 
+def model_shape(args, given):
+    """args, with the shape --cluster predicts for: what the command line gives (`given`: the
+    flags it names), and what it does not assumed, and listed in args.assumed: layers and
+    d_model from Ψ ≈ 12·layers·d_model² with d_model = 128·layers (the shape of GPT-3's and
+    Llama's 7B: 32 x 4096), rows of 2048 tokens, one row per rank (not the demo's defaults)."""
+    psi, assumed = args.params, []
+    layers, d = args.n_layer, args.d_model
+    if "--n-layer" not in given and "--d-model" not in given:
+        layers = max(1, round((psi / (12 * 128 ** 2)) ** (1 / 3)))
+        assumed.append("layers and d_model from Ψ, d_model = 128·layers")
+    if "--d-model" not in given:
+        d = max(64, round((psi / (12 * layers)) ** 0.5 / 64) * 64)
+        if "--n-layer" in given:
+            assumed.append("d_model from Ψ and layers")
+    elif "--n-layer" not in given:
+        layers = max(1, round(psi / (12 * d * d)))
+        assumed.append("layers from Ψ and d_model")
+    seq_len = args.seq_len if "--seq-len" in given else 2048
+    rows = args.batch_size if "--batch-size" in given else 1
+    assumed += ["seq_len 2048"] * ("--seq-len" not in given) + \
+        ["1 row per rank"] * ("--batch-size" not in given)
+    return argparse.Namespace(**{**vars(args), "n_layer": layers, "d_model": d,
+                                 "seq_len": seq_len, "batch_size": rows, "assumed": assumed})
+
+
 def predict_cluster(args, psi, world, cluster):
     """--estimate --cluster: the time model per stage, hybrid G and activation checkpointing."""
     c, L, k = cluster, args.n_layer, args.grad_accum
@@ -232,7 +259,8 @@ def predict_cluster(args, psi, world, cluster):
           f"{args.d_model}, {args.batch_size} row(s) x\n{args.seq_len} tokens per rank x {k} "
           f"micro-batch(es), bf16 with fp32 reductions, on N = {world} =\n"
           f"{max(world // c.gpus_per_node, 1)} node(s) x {min(c.gpus_per_node, world)} GPUs; "
-          "times in ms per step\n")
+          "times in ms per step" + "".join(f"\n  (assumed, not given: {a})"
+                                            for a in getattr(args, "assumed", [])) + "\n")
     print(f"{'stage':<6}{'G':>5} {'ckpt':>5} {'model':>8} {'activ.':>8} {'total':>8} {'fits':>5} "
           f"{'compute':>8} {'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10}")
     rows = []
