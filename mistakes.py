@@ -156,22 +156,28 @@ def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, z
     return losses
 
 
+Run = collections.namedtuple("Run", "model opt losses")
+
+
 def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=rank_mean,
             masked=False, zero_grad=True, **options):
     """A fresh model (the same weights every time) and its optimizer cls(model, optimizer,
-    **options), trained for `steps`: (model, opt, the losses)."""
+    **options), trained for `steps`: a Run (model, opt, the losses)."""
     model = build(dtype=dtype)
     opt = cls(model, optimizer, **options)
-    return model, opt, train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    return Run(model, opt, train(model, opt, steps, clip, accum, loss, masked, zero_grad))
+
+
+Reference = collections.namedtuple("Reference", "losses params")
 
 
 @functools.lru_cache(maxsize=None)
 def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
     """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
-    model, a plain torch optimizer. Returns (the loss at each step, {name: parameter})."""
+    model, a plain torch optimizer. Returns a Reference: the loss at each step, and
+    {name: parameter} after the last."""
     model = build(dtype=dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = OPTIMIZERS[optimizer](params)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     keep = rows(only) if only is not None else slice(None)
     losses = []
     for step in range(steps):
@@ -182,11 +188,11 @@ def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=No
             loss.backward()
             total += loss.item()
         if clip:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,15 +218,15 @@ def spread(model):
     return (every.amax(0) - every.amin(0)).max().item()
 
 
-def peak_bytes(variants, kind, steps, accum=1):
-    """Each variant's (name, cls) peak bytes of `kind` (zero.py's Meter, opt.peak) and its
-    distance to the reference (detail: both train right); the note: the formula's bytes, at the
-    stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8 bytes
-    a parameter, 8 a gradient, 16 of m and v)."""
-    _, ref = reference("adamw", dist.get_world_size(), steps, accum=accum)
+def peak_bytes(wrong, right, kind, steps, accum=1):
+    """The wrong and the right class's peak bytes of `kind` (zero.py's Meter, opt.peak) and
+    their distances to the reference (detail: both train right); the note: the formula's bytes,
+    at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
+    bytes a parameter, 8 a gradient, 16 of m and v)."""
+    ref = reference("adamw", dist.get_world_size(), steps, accum=accum).params
     out = {}
-    for name, cls in variants:
-        opt = trained(cls, steps, accum=accum)[1]
+    for name, cls in [("wrong", wrong), ("right", right)]:
+        opt = trained(cls, steps, accum=accum).opt
         out[name], out[name + "_distance"] = opt.peak[kind], distance(opt, ref)
     (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
     formula = {s: zero.memory_formula(s, opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
@@ -274,13 +280,13 @@ class NoDivide(zero.ZeRO1):
 
 
 def no_divide(optimizer, steps):
-    ref_losses, ref = reference(optimizer, dist.get_world_size(), steps)
-    out, losses = {}, {"reference": ref_losses}
+    ref = reference(optimizer, dist.get_world_size(), steps)
+    out, losses = {}, {"reference": ref.losses}
     for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
         # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
-        _, opt, losses[name] = trained(cls, steps, OPTIMIZERS[optimizer])
-        out[name], out[name + "_losses"] = loss_gap(losses[name], ref_losses), losses[name]
-        out[name + "_distance"] = distance(opt, ref)
+        run = trained(cls, steps, OPTIMIZERS[optimizer])
+        losses[name], out[name] = run.losses, loss_gap(run.losses, ref.losses)
+        out[name + "_distance"] = distance(run.opt, ref.params)
     out["detail"] = [f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
                      for label, values in losses.items()]
     out["detail"] += [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
@@ -322,8 +328,7 @@ class NoSyncKeepsGradients(zero.ZeRO2):
          "Reduce-scattered after backward, every unit's full gradient is held at once: the peak\n"
          "is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.")
 def late_reduce_scatter(quick):
-    return peak_bytes([("wrong", LateReduceScatter), ("right", zero.ZeRO2)], "grads",
-                      2 if quick else 3)
+    return peak_bytes(LateReduceScatter, zero.ZeRO2, "grads", 2 if quick else 3)
 
 
 @mistake("no-sync-stage-2", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
@@ -331,8 +336,7 @@ def late_reduce_scatter(quick):
          "stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to\n"
          "add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward.")
 def no_sync_stage_2(quick):
-    out = peak_bytes([("wrong", NoSyncKeepsGradients), ("right", zero.ZeRO2)], "grads",
-                     2 if quick else 3, accum=2)
+    out = peak_bytes(NoSyncKeepsGradients, zero.ZeRO2, "grads", 2 if quick else 3, accum=2)
     out["detail"] = [f"distance to the reference (2 micro-batches a step): wrong "
                      f"{out['wrong_distance']:.2e}, right {out['right_distance']:.1e}"]
     return out
@@ -353,7 +357,7 @@ class NoRegather(zero.ZeRO3):
          "Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not\n"
          "gathered again, they are memory given back: an error, or worse, garbage.")
 def no_regather(quick):
-    return {name: outcome(lambda: trained(cls, 1)[2][0])  # the first step's loss, if it gets there
+    return {name: outcome(lambda: trained(cls, 1).losses[0])  # the first step's loss, if any
             for name, cls in [("wrong", NoRegather), ("right", zero.ZeRO3)]}
 
 
@@ -362,8 +366,8 @@ def no_regather(quick):
          "computes. It trains right, and each rank's peak holds every parameter: stage 0's.")
 def one_unit(quick):
     # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
-    return peak_bytes([("wrong", functools.partial(zero.ZeRO3, units=[])),  # WRONG: units=[]
-                       ("right", zero.ZeRO3)], "params", 2)
+    wrong = functools.partial(zero.ZeRO3, units=[])  # WRONG: units=[]
+    return peak_bytes(wrong, zero.ZeRO3, "params", 2)
 
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
@@ -403,11 +407,11 @@ class NoGatherAfterStep(zero.ZeRO1):
          "from rank to rank. The replicas drift apart, and every forward computes with a mix.")
 def no_gather_after_step(quick):
     steps = 3 if quick else STEPS
-    ref_losses, _ = reference("adamw", dist.get_world_size(), steps)
+    ref = reference("adamw", dist.get_world_size(), steps)
     out = {}
     for name, cls in [("wrong", NoGatherAfterStep), ("right", zero.ZeRO1)]:
-        model, _, losses = trained(cls, steps)
-        out[name], out[name + "_gap"] = spread(model), loss_gap(losses, ref_losses)
+        run = trained(cls, steps)
+        out[name], out[name + "_gap"] = spread(run.model), loss_gap(run.losses, ref.losses)
     out["detail"] = [f"loss gap to the reference, max: wrong {out['wrong_gap']:.2e}, right "
                      f"{out['right_gap']:.1e}"]
     return out
@@ -430,8 +434,8 @@ class LocalClip(zero.ZeRO1):
 def local_clip(quick):
     steps = 3 if quick else STEPS
     # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
-    _, ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32)
-    return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05)[1], ref)
+    ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32).params
+    return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05).opt, ref)
             for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]}
 
 
@@ -451,9 +455,9 @@ class StepsWithoutGradient(zero.DataParallel):
 def step_without_gradient(quick):
     steps = 2 if quick else STEPS
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
-    out = {name: distance(trained(cls, steps)[1], {"aux.weight": before})  # how far it moved
+    out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    _, ref = reference("adamw", dist.get_world_size(), steps)
+    ref = reference("adamw", dist.get_world_size(), steps).params
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
                      f"{(ref['aux.weight'] - before).abs().max().item():.1e}"]
     return out
@@ -467,13 +471,13 @@ def step_without_gradient(quick):
          "exactly like one process on that batch, not like the global batch.")
 def same_batch(quick):
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    _, ref = reference("sgd", world, steps)
-    _, ref_one = reference("sgd", world, steps, only=0)  # one process on rank 0's rows alone
+    ref = reference("sgd", world, steps).params
+    ref_one = reference("sgd", world, steps, only=0).params  # one process on rank 0's rows alone
     out = {}
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
     for name, loss in [("wrong", lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)])),
                        ("right", rank_mean)]:
-        opt = trained(zero.ZeRO1, steps, SGD, loss=loss)[1]
+        opt = trained(zero.ZeRO1, steps, SGD, loss=loss).opt
         out[name], out[name + "_one"] = distance(opt, ref), distance(opt, ref_one)
     out["detail"] = [f"distance to one process on rank 0's rows alone: wrong "
                      f"{out['wrong_one']:.1e}, right {out['right_one']:.2e}"]
@@ -486,7 +490,7 @@ def same_batch(quick):
          "batch more than one of a long batch. Sum the tokens' losses; divide by the global count.")
 def token_mean_per_rank(quick):
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    _, ref = reference("sgd", world, steps, masked=True)  # the mean over every token
+    ref = reference("sgd", world, steps, masked=True).params  # the mean over every token
 
     def token_sum(model, x, y):  # the sum over this rank's tokens / the global count; x N:
         x, y = x[rows(dist.get_rank())], y[rows(dist.get_rank())]  # zero.py divides by N
@@ -495,9 +499,10 @@ def token_mean_per_rank(quick):
         return loss_of(model, x, y, reduction="sum") * world / tokens
 
     # WRONG: rank_mean, the loop's loss: the mean over this rank's tokens
-    out = {name: distance(trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True)[1], ref)
+    out = {name: distance(trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True).opt, ref)
            for name, loss in [("wrong", rank_mean), ("right", token_sum)]}
-    counts = [int((batch(0, world, masked=True)[1][rows(r)] != -100).sum()) for r in range(world)]
+    _, y = batch(0, world, masked=True)
+    counts = [int((y[rows(r)] != -100).sum()) for r in range(world)]
     out["detail"] = [f"tokens per rank: {counts}"]
     return out
 
@@ -508,9 +513,9 @@ def token_mean_per_rank(quick):
          "digits before it is summed, and the sum again: every step is off. Reduce in fp32.")
 def bf16_reduce(quick):
     steps = 3 if quick else STEPS
-    _, ref = reference("adamw", dist.get_world_size(), steps)
+    ref = reference("adamw", dist.get_world_size(), steps).params
     # (zero.ZeRO2(model, ...) as zero.wrap(model, 2, ...) builds it)
-    return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype)[1], ref)
+    return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype).opt, ref)
             for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
 
 
@@ -608,7 +613,8 @@ class OtherOrder(zero.DataParallel):
          "fails. zero.py fingerprints what each rank reduced, and stops the step if they differ.")
 def units_out_of_order(quick):
     steps = 2 if quick else 3
-    return {name: outcome(lambda: spread(trained(cls, steps, overlap=False, check_steps=check)[0]))
+    return {name: outcome(lambda: spread(trained(cls, steps, overlap=False,
+                                                 check_steps=check).model))
             for name, cls, check in [("guard", OtherOrder, True),
                                      ("wrong", OtherOrder, False),  # wrong: check_steps=False
                                      ("right", zero.DataParallel, True)]}
@@ -627,14 +633,12 @@ class NoBackwardAfterStepCheck(zero.ZeRO1):
          "keeps pushing: every past step is applied again. zero.py refuses that backward.")
 def no_zero_grad(quick):
     steps = 3 if quick else STEPS
-    _, ref = reference("sgd", dist.get_world_size(), steps)
-    out = {}
-    for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
-                      ("right", zero.ZeRO1)]:
-        # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
-        run = functools.partial(trained, cls, steps, SGD, zero_grad=name == "right")
-        out[name] = outcome(lambda: distance(run()[1], ref))
-    return out
+    ref = reference("sgd", dist.get_world_size(), steps).params
+    # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
+    return {name: outcome(lambda: distance(
+                trained(cls, steps, SGD, zero_grad=name == "right").opt, ref))
+            for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
+                              ("right", zero.ZeRO1)]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -682,10 +686,10 @@ def run_lab(names, quick=False):
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    unknown = [n for n in args.names if n not in MISTAKES]
-    if unknown:
-        raise zero.UsageError(f"no mistake named {unknown[0]!r}: `python mistakes.py --list` "
-                              "names them")
+    for name in args.names:
+        if name not in MISTAKES:
+            raise zero.UsageError(f"no mistake named {name!r}: `python mistakes.py --list` "
+                                  "names them")
     if args.list:
         for m in MISTAKES.values():
             word = "stages" if "-" in m.stages else "stage "
