@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, io, json, os, textwrap, time
+import collections, contextlib, functools, inspect, io, json, os, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -251,18 +251,22 @@ def outcome(run):  # run()'s number, or the error it raised: the mistake's, or z
 
 # ----------------------------------------------------------------------------------------------
 # The mistakes. Each is registered with what it measures, at which stage it runs here (and at
-# which it applies), why it breaks (at most three lines) and the place in zero.py that gets it
-# right. Its function runs the wrong code and the right code and returns both numbers.
+# which it applies) and the place in zero.py that gets it right. Its function runs the wrong code
+# and the right code and returns both numbers; its docstring says why it breaks (at most three
+# lines, as the table prints them).
 
-# stages: where the mistake applies; stage: the stage it runs at here; measure: what the numbers
-# are; where: the zero.py function or method that gets it right
+# name: the function's (no-divide-sgd for no_divide_sgd); stages: where the mistake applies;
+# stage: the stage it runs at here; measure: what the numbers are; where: the zero.py function or
+# method that gets it right; why: the function's docstring
 Mistake = collections.namedtuple("Mistake", "name stages stage measure where why run")
 MISTAKES = {}
 
 
-def mistake(name, stages, stage, measure, where, why):
+def mistake(stages, stage, measure, where):
     def register(fn):
-        MISTAKES[name] = Mistake(name, stages, stage, measure, where, why, fn)
+        name = fn.__name__.replace("_", "-")
+        MISTAKES[name] = Mistake(name, stages, stage, measure, where, inspect.cleandoc(fn.__doc__),
+                                 fn)
         return fn
     return register
 
@@ -294,17 +298,17 @@ def no_divide(optimizer, steps):
     return out
 
 
-@mistake("no-divide-sgd", "0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads",
-         "The reduction sums the N ranks' gradients: the gradient of N times the loss. SGD's "
-         "step\nis N times too large from the first step on.")
+@mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
 def no_divide_sgd(quick):
+    """The reduction sums the N ranks' gradients: the gradient of N times the loss. SGD's step
+    is N times too large from the first step on."""
     return no_divide("sgd", 3 if quick else STEPS)
 
 
-@mistake("no-divide-adamw", "0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads",
-         "The same missing division, under AdamW: Adam divides m by sqrt(v), and the scale N\n"
-         "cancels but for epsilon (and clipping). Almost invisible; still wrong.")
+@mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
 def no_divide_adamw(quick):
+    """The same missing division, under AdamW: Adam divides m by sqrt(v), and the scale N
+    cancels but for epsilon (and clipping). Almost invisible; still wrong."""
     return no_divide("adamw", 3 if quick else STEPS)
 
 
@@ -324,18 +328,18 @@ class NoSyncKeepsGradients(zero.ZeRO2):
         return self._sync  # WRONG: under no_sync() the full [N*S] gradient stays until later
 
 
-@mistake("late-reduce-scatter", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
-         "Reduce-scattered after backward, every unit's full gradient is held at once: the peak\n"
-         "is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.")
+@mistake("2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward")
 def late_reduce_scatter(quick):
+    """Reduce-scattered after backward, every unit's full gradient is held at once: the peak
+    is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2."""
     return peak_bytes(LateReduceScatter, zero.ZeRO2, "grads", 2 if quick else 3)
 
 
-@mistake("no-sync-stage-2", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
-         "no_sync() defers the reduction, so the full gradient lives until the last micro-batch:\n"
-         "stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to\n"
-         "add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward.")
+@mistake("2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward")
 def no_sync_stage_2(quick):
+    """no_sync() defers the reduction, so the full gradient lives until the last micro-batch:
+    stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to
+    add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward."""
     out = peak_bytes(NoSyncKeepsGradients, zero.ZeRO2, "grads", 2 if quick else 3, accum=2)
     out["detail"] = [f"distance to the reference (2 micro-batches a step): wrong "
                      f"{out['wrong_distance']:.2e}, right {out['right_distance']:.1e}"]
@@ -353,18 +357,18 @@ class NoRegather(zero.ZeRO3):
         self.prefetcher.backward_started(call)
 
 
-@mistake("no-regather", "3", 3, "the first step: its loss, or the error", "ZeRO3._pre_backward",
-         "Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not\n"
-         "gathered again, they are memory given back: an error, or worse, garbage.")
+@mistake("3", 3, "the first step: its loss, or the error", "ZeRO3._pre_backward")
 def no_regather(quick):
+    """Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not
+    gathered again, they are memory given back: an error, or worse, garbage."""
     return {name: outcome(lambda: trained(cls, 1).losses[0])  # the first step's loss, if any
             for name, cls in [("wrong", NoRegather), ("right", zero.ZeRO3)]}
 
 
-@mistake("one-unit", "3", 3, "peak parameter bytes", "zero.default_units (the blocks)",
-         "With units=[] the whole model is one unit: gathered whole before the first module\n"
-         "computes. It trains right, and each rank's peak holds every parameter: stage 0's.")
+@mistake("3", 3, "peak parameter bytes", "zero.default_units (the blocks)")
 def one_unit(quick):
+    """With units=[] the whole model is one unit: gathered whole before the first module
+    computes. It trains right, and each rank's peak holds every parameter: stage 0's."""
     # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
     wrong = functools.partial(zero.ZeRO3, units=[])  # WRONG: units=[]
     return peak_bytes(wrong, zero.ZeRO3, "params", 2)
@@ -372,12 +376,11 @@ def one_unit(quick):
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
 
-@mistake("different-seeds", "0-3", 0, "replicas' spread after the steps",
-         "DataParallel.__init__ (its broadcast)",
-         "Each rank built its own random weights. The mean gradient moves every replica alike,\n"
-         "so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the\n"
-         "step would hide it, every rank then holding a patchwork of the ranks' inits).")
+@mistake("0-3", 0, "replicas' spread after the steps", "DataParallel.__init__ (its broadcast)")
 def different_seeds(quick):
+    """Each rank built its own random weights. The mean gradient moves every replica alike,
+    so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the
+    step would hide it, every rank then holding a patchwork of the ranks' inits)."""
     out = {}
     for name in ("wrong", "right"):
         model = build(seed=dist.get_rank())  # the mistake: a seed per rank
@@ -401,11 +404,10 @@ class NoGatherAfterStep(zero.ZeRO1):
         pass  # WRONG: ZeRO1 all-gathers every unit's updated shards into every rank's parameters
 
 
-@mistake("no-gather-after-step", "1-2", 1, "replicas' spread after the steps",
-         "ZeRO1._gather_params",
-         "Each rank updated only its own shard; the rest of its parameters are stale and differ\n"
-         "from rank to rank. The replicas drift apart, and every forward computes with a mix.")
+@mistake("1-2", 1, "replicas' spread after the steps", "ZeRO1._gather_params")
 def no_gather_after_step(quick):
+    """Each rank updated only its own shard; the rest of its parameters are stale and differ
+    from rank to rank. The replicas drift apart, and every forward computes with a mix."""
     steps = 3 if quick else STEPS
     ref = reference("adamw", dist.get_world_size(), steps)
     out = {}
@@ -428,10 +430,10 @@ class LocalClip(zero.ZeRO1):
         return squares
 
 
-@mistake("local-clip", "1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares",
-         "The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and\n"
-         "differs: each shard is scaled by its own factor, the update points somewhere else.")
+@mistake("1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares")
 def local_clip(quick):
+    """The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and
+    differs: each shard is scaled by its own factor, the update points somewhere else."""
     steps = 3 if quick else STEPS
     # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
     ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32).params
@@ -448,11 +450,11 @@ class StepsWithoutGradient(zero.DataParallel):
             self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
 
 
-@mistake("step-without-gradient", "0-3", 0, "how far the unused head moved",
-         "DataParallel.step (.grad None where no rank gave a gradient: check_step_agrees)",
-         "A zero gradient is not no gradient: AdamW still decays the weight (and a past step's\n"
-         "m and v still move it). torch skips a parameter whose .grad is None; so does zero.py.")
+@mistake("0-3", 0, "how far the unused head moved",
+         "DataParallel.step (.grad None where no rank gave a gradient: check_step_agrees)")
 def step_without_gradient(quick):
+    """A zero gradient is not no gradient: AdamW still decays the weight (and a past step's
+    m and v still move it). torch skips a parameter whose .grad is None; so does zero.py."""
     steps = 2 if quick else STEPS
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
     out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
@@ -465,11 +467,11 @@ def step_without_gradient(quick):
 
 # --- the data: each rank its own rows, each token its weight ----------------------------------
 
-@mistake("same-batch", "0-3", 1, "distance to the global-batch reference",
-         "zero.get_batch (rank r reads rows r*B to (r+1)*B of the global batch)",
-         "Every rank read rank 0's rows: N times the compute for one rank's batch. It trains\n"
-         "exactly like one process on that batch, not like the global batch.")
+@mistake("0-3", 1, "distance to the global-batch reference",
+         "zero.get_batch (rank r reads rows r*B to (r+1)*B of the global batch)")
 def same_batch(quick):
+    """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
+    exactly like one process on that batch, not like the global batch."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
     ref = reference("sgd", world, steps).params
     ref_one = reference("sgd", world, steps, only=0).params  # one process on rank 0's rows alone
@@ -484,11 +486,11 @@ def same_batch(quick):
     return out
 
 
-@mistake("token-mean-per-rank", "0-3", 1, "distance to the reference",
-         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)",
-         "Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short\n"
-         "batch more than one of a long batch. Sum the tokens' losses; divide by the global count.")
+@mistake("0-3", 1, "distance to the reference",
+         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)")
 def token_mean_per_rank(quick):
+    """Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short
+    batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
     ref = reference("sgd", world, steps, masked=True).params  # the mean over every token
 
@@ -507,11 +509,11 @@ def token_mean_per_rank(quick):
     return out
 
 
-@mistake("bf16-reduce", "0-3", 2, "distance to the reference",
-         "DataParallel._reduce_unit (reduce_dtype: fp32 by default in mixed precision)",
-         "Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3\n"
-         "digits before it is summed, and the sum again: every step is off. Reduce in fp32.")
+@mistake("0-3", 2, "distance to the reference",
+         "DataParallel._reduce_unit (reduce_dtype: fp32 by default in mixed precision)")
 def bf16_reduce(quick):
+    """Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3
+    digits before it is summed, and the sum again: every step is off. Reduce in fp32."""
     steps = 3 if quick else STEPS
     ref = reference("adamw", dist.get_world_size(), steps).params
     # (zero.ZeRO2(model, ...) as zero.wrap(model, 2, ...) builds it)
@@ -519,11 +521,11 @@ def bf16_reduce(quick):
             for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
 
 
-@mistake("optimizer-before-wrap", "1-3", 2, "how far the parameters moved",
-         "zero.wrap (returns the optimizer that steps the shards)",
-         "A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is\n"
-         "None (each unit's gradient is reduced into this rank's shard). Nothing trains.")
+@mistake("1-3", 2, "how far the parameters moved",
+         "zero.wrap (returns the optimizer that steps the shards)")
 def optimizer_before_wrap(quick):
+    """A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is
+    None (each unit's gradient is reduced into this rank's shard). Nothing trains."""
     before = {n: p.detach() for n, p in build().named_parameters()}  # every fresh model's
     out = {}
     for name in ("wrong", "right"):
@@ -538,12 +540,12 @@ def optimizer_before_wrap(quick):
     return out
 
 
-@mistake("state-dict-at-stage-3", "3", 3, "the saved weights, loaded back",
-         "zero.guard_sharded_parameters; opt.full_state_dict()",
-         "Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.\n"
-         "torch.save writes the file all the same, and only loading it fails. zero.py refuses the\n"
-         "read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them.")
+@mistake("3", 3, "the saved weights, loaded back",
+         "zero.guard_sharded_parameters; opt.full_state_dict()")
 def state_dict_at_stage_3(quick):
+    """Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.
+    torch.save writes the file all the same, and only loading it fails. zero.py refuses the
+    read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them."""
     out = {}
     for name in ("guard", "wrong", "right"):
         model, opt, _ = trained(zero.ZeRO3, 1)
@@ -566,10 +568,10 @@ def state_dict_at_stage_3(quick):
 
 # --- ranks out of step: a collective no other rank makes, units reduced in another order -------
 
-@mistake("eval-on-rank-0", "3", 3, "an evaluation forward", "ZeRO3._pre_forward",
-         "At stage 3 a forward is collectives: each unit is all-gathered before it computes. On\n"
-         "rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates.")
+@mistake("3", 3, "an evaluation forward", "ZeRO3._pre_forward")
 def eval_on_rank_0(quick):
+    """At stage 3 a forward is collectives: each unit is all-gathered before it computes. On
+    rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates."""
     x, y = batch(99, dist.get_world_size())
     out = {}
     for name in ("wrong", "right"):
@@ -606,10 +608,10 @@ class OtherOrder(zero.DataParallel):
         self.units = units
 
 
-@mistake("units-out-of-order", "0-3", 0, "replicas' spread (no check)", "zero.check_step_agrees",
-         "Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective\n"
-         "fails. zero.py fingerprints what each rank reduced, and stops the step if they differ.")
+@mistake("0-3", 0, "replicas' spread (no check)", "zero.check_step_agrees")
 def units_out_of_order(quick):
+    """Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective
+    fails. zero.py fingerprints what each rank reduced, and stops the step if they differ."""
     steps = 2 if quick else 3
     return {name: outcome(lambda: spread(trained(cls, steps, overlap=False,
                                                  check_steps=check).model))
@@ -626,10 +628,10 @@ class NoBackwardAfterStepCheck(zero.ZeRO1):
         super()._on_grad(unit, p)
 
 
-@mistake("no-zero-grad", "0-3", 1, "distance to the reference (no check)", "DataParallel._on_grad",
-         "Without zero_grad() each backward adds to the last step's averaged gradient, which\n"
-         "keeps pushing: every past step is applied again. zero.py refuses that backward.")
+@mistake("0-3", 1, "distance to the reference (no check)", "DataParallel._on_grad")
 def no_zero_grad(quick):
+    """Without zero_grad() each backward adds to the last step's averaged gradient, which
+    keeps pushing: every past step is applied again. zero.py refuses that backward."""
     steps = 3 if quick else STEPS
     ref = reference("sgd", dist.get_world_size(), steps).params
     # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
