@@ -139,15 +139,14 @@ def materialize(model, args, device):
     with warnings.catch_warnings():  # on CPU torch warns that DTensor's random init is not
         warnings.filterwarnings("ignore", message="DTensor random operators")  # one stream:
         model.apply(zero.GPT.init_weights)  # known (above), and overwritten below
-    full = {}
-    if dist.get_rank() == 0:
-        if args.init_from:
-            full = checkpoints.read_state_dict(args.init_from)
-        else:  # built whole on the CPU (its constructor draws an init), then seeded again
-            whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
-            torch.manual_seed(args.seed)
-            whole.apply(zero.GPT.init_weights)
-            full = whole.state_dict()
+    full = {}  # rank 0's, for every rank
+    if dist.get_rank() == 0 and args.init_from:
+        full = checkpoints.read_state_dict(args.init_from)
+    elif dist.get_rank() == 0:  # built whole on the CPU (its constructor draws an init), then
+        whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)  # seeded again
+        torch.manual_seed(args.seed)
+        whole.apply(zero.GPT.init_weights)
+        full = whole.state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
 
@@ -320,7 +319,7 @@ class Torch:
 
 def compare(args, keep_params=False):
     """PyTorch's run, then zero.py's in the same processes; returns both results."""
-    world = zero.setup(args.backend, args.device, args.timeout)[1]
+    _, world, _ = zero.setup(args.backend, args.device, args.timeout)
     theirs = zero.train(args, pytorch(args, world), keep_params)
     zero.report(theirs, args)
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
@@ -488,7 +487,7 @@ def main(argv=None):
     elif args.compare:
         print_comparison(*compare(args, keep_params=True), args)
     else:
-        world = zero.setup(args.backend, args.device, args.timeout)[1]
+        _, world, _ = zero.setup(args.backend, args.device, args.timeout)
         zero.report(zero.train(args, pytorch(args, world)), args)
 
 

@@ -549,18 +549,17 @@ def state_dict_at_stage_3(quick):
     out = {}
     for name in ("guard", "wrong", "right"):
         model, opt, _ = trained(zero.ZeRO3, 1)
-        full, saved = opt.full_state_dict(), None  # {name: tensor}: the shards gathered
+        full = opt.full_state_dict()  # {name: tensor}: the shards gathered
         if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
             for p in model.parameters():
                 p.__class__ = nn.Parameter
         file = io.BytesIO()
         try:  # WRONG: model.state_dict(), the model's own, at stage 3
             torch.save(full if name == "right" else model.state_dict(), file)
-            saved = file.tell()
-            file.seek(0)
-            loaded = torch.load(file)
+            loaded = torch.load(io.BytesIO(file.getvalue()))
             out[name] = max((loaded[n] - full[n]).abs().max().item() for n in full)
         except RuntimeError as e:
+            saved = len(file.getvalue())  # 0 where the guard refused to read the model
             out[name] = (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
                          "") + first_line(e)
     return out
@@ -612,9 +611,8 @@ class OtherOrder(zero.DataParallel):
 def units_out_of_order(quick):
     """Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective
     fails. zero.py fingerprints what each rank reduced, and stops the step if they differ."""
-    steps = 2 if quick else 3
-    return {name: outcome(lambda: spread(trained(cls, steps, overlap=False,
-                                                 check_steps=check).model))
+    run = functools.partial(trained, steps=2 if quick else 3, overlap=False)
+    return {name: outcome(lambda: spread(run(cls, check_steps=check).model))
             for name, cls, check in [("guard", OtherOrder, True),
                                      ("wrong", OtherOrder, False),  # wrong: check_steps=False
                                      ("right", zero.DataParallel, True)]}
