@@ -305,9 +305,9 @@ class Torch:
             for n, t in checkpoints.checkpoint_tensors(manifest, parts, key):
                 if n in state:
                     state[n][key] = shard(n, t)
-        frozen = parts[0]["replicated"]  # frozen parameters and buffers: rank 0's part holds them
-        set_model_state_dict(self.model, {k: weights[n] if n in weights else frozen[n]
-                                          for k, n in manifest["keys"]})
+        # and the frozen parameters and buffers, which rank 0's part holds
+        values = {**parts[0]["replicated"], **weights}
+        set_model_state_dict(self.model, {k: values[n] for k, n in manifest["keys"]})
         if state:  # (none: the optimizer never stepped, and starts fresh)
             groups = [{**h, "params": list(params)} for h in parts[0]["hyper"]]
             set_optimizer_state_dict(self.model, self.optimizer,
@@ -415,8 +415,7 @@ def bench(args):
                   for who, rs in runs.items()}
             zero_ms[name, stage], ratio = ms["zero.py"], ms["zero.py"] / ms["PyTorch"]
             theirs, ours = runs["PyTorch"][-1], runs["zero.py"][-1]
-            psi = ours["psi"]
-            formula = sum(zero.comm_formula(stage, psi, world).values())
+            formula = sum(zero.comm_formula(stage, ours["psi"], world).values())
             table.append(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {ms['PyTorch']:>10.1f}"
                          f" {ms['zero.py']:>9.1f} {ratio:>6.3f} {sum(theirs['mem'].values()):>14,}"
                          f" {sum(ours['mem'].values()):>12,} {theirs['sent'][0]:>13,.0f}"
@@ -442,7 +441,7 @@ def bench(args):
     # What the backend charges for each collective on the same bytes: the ZeRO paper's "stage 1
     # costs what stage 0 costs" (arXiv:1910.02054) assumes reduce-scatter + all-gather =
     # all-reduce, as ring algorithms give.
-    x = torch.randn(psi // world * world, device=device)  # Ψ of the last model
+    x = torch.randn(ours["psi"] // world * world, device=device)  # Ψ of the last model
     shard, full = torch.empty(x.numel() // world, device=device), torch.empty_like(x)
     times = {name: median_ms(call, args.repeats) for name, call in [
         ("all_reduce", lambda: dist.all_reduce(x)),
@@ -450,12 +449,12 @@ def bench(args):
         ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
         ("zero.reduce_scatter", lambda: zero.reduce_scatter(shard, x)),
         ("zero.all_gather", lambda: zero.all_gather(full, shard))]}
-    ours = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]
+    own = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]
     log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 "
         "gradients), median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
         "; reduce_scatter + all_gather / all_reduce = "
         f"{(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f},"
-        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): {ours:.2f}")
+        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): {own:.2f}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,7 +69,6 @@ DTYPE = torch.float64               # rounding at 1e-16: a gap above that is the
 HANG_S = 3                          # seconds before a collective no other rank makes is a hang
 SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.02, weight_decay=0.1)
-OPTIMIZERS = {"sgd": SGD, "adamw": ADAMW}
 
 
 class Tiny(nn.Module):
@@ -177,7 +176,7 @@ def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=No
     model, a plain torch optimizer. Returns a Reference: the loss at each step, and
     {name: parameter} after the last."""
     model = build(dtype=dtype)
-    opt = OPTIMIZERS[optimizer](model.parameters())
+    opt = optimizer(model.parameters())
     keep = rows(only) if only is not None else slice(None)
     losses = []
     for step in range(steps):
@@ -223,7 +222,7 @@ def peak_bytes(wrong, right, kind, steps, accum=1):
     their distances to the reference (detail: both train right); the note: the formula's bytes,
     at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
     bytes a parameter, 8 a gradient, 16 of m and v)."""
-    ref = reference("adamw", dist.get_world_size(), steps, accum=accum).params
+    ref = reference(ADAMW, dist.get_world_size(), steps, accum=accum).params
     out = {}
     for name, cls in [("wrong", wrong), ("right", right)]:
         opt = trained(cls, steps, accum=accum).opt
@@ -265,8 +264,7 @@ MISTAKES = {}
 def mistake(stages, stage, measure, where):
     def register(fn):
         name = fn.__name__.replace("_", "-")
-        MISTAKES[name] = Mistake(name, stages, stage, measure, where, inspect.cleandoc(fn.__doc__),
-                                 fn)
+        MISTAKES[name] = Mistake(name, stages, stage, measure, where, inspect.getdoc(fn), fn)
         return fn
     return register
 
@@ -288,7 +286,7 @@ def no_divide(optimizer, steps):
     out, losses = {}, {"reference": ref.losses}
     for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
         # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
-        run = trained(cls, steps, OPTIMIZERS[optimizer])
+        run = trained(cls, steps, optimizer)
         losses[name], out[name] = run.losses, loss_gap(run.losses, ref.losses)
         out[name + "_distance"] = distance(run.opt, ref.params)
     out["detail"] = [f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
@@ -302,14 +300,14 @@ def no_divide(optimizer, steps):
 def no_divide_sgd(quick):
     """The reduction sums the N ranks' gradients: the gradient of N times the loss. SGD's step
     is N times too large from the first step on."""
-    return no_divide("sgd", 3 if quick else STEPS)
+    return no_divide(SGD, 3 if quick else STEPS)
 
 
 @mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
 def no_divide_adamw(quick):
     """The same missing division, under AdamW: Adam divides m by sqrt(v), and the scale N
     cancels but for epsilon (and clipping). Almost invisible; still wrong."""
-    return no_divide("adamw", 3 if quick else STEPS)
+    return no_divide(ADAMW, 3 if quick else STEPS)
 
 
 # --- stage 2: when the gradient is reduced ----------------------------------------------------
@@ -409,7 +407,7 @@ def no_gather_after_step(quick):
     """Each rank updated only its own shard; the rest of its parameters are stale and differ
     from rank to rank. The replicas drift apart, and every forward computes with a mix."""
     steps = 3 if quick else STEPS
-    ref = reference("adamw", dist.get_world_size(), steps)
+    ref = reference(ADAMW, dist.get_world_size(), steps)
     out = {}
     for name, cls in [("wrong", NoGatherAfterStep), ("right", zero.ZeRO1)]:
         run = trained(cls, steps)
@@ -436,7 +434,7 @@ def local_clip(quick):
     differs: each shard is scaled by its own factor, the update points somewhere else."""
     steps = 3 if quick else STEPS
     # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
-    ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32).params
+    ref = reference(SGD, dist.get_world_size(), steps, clip=0.05, dtype=torch.float32).params
     return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05).opt, ref)
             for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]}
 
@@ -445,9 +443,8 @@ class StepsWithoutGradient(zero.DataParallel):
     """DataParallel that steps every parameter, as if one without a gradient had a zero one."""
 
     def _reduce_grads(self):
-        if not self._reduced:
-            super()._reduce_grads()  # with_grad: the parameters some rank got a gradient for
-            self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
+        super()._reduce_grads()  # with_grad: the parameters some rank got a gradient for
+        self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
 
 
 @mistake("0-3", 0, "how far the unused head moved",
@@ -459,7 +456,7 @@ def step_without_gradient(quick):
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
     out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    ref = reference("adamw", dist.get_world_size(), steps).params
+    ref = reference(ADAMW, dist.get_world_size(), steps).params
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
                      f"{(ref['aux.weight'] - before).abs().max().item():.1e}"]
     return out
@@ -473,8 +470,8 @@ def same_batch(quick):
     """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
     exactly like one process on that batch, not like the global batch."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    ref = reference("sgd", world, steps).params
-    ref_one = reference("sgd", world, steps, only=0).params  # one process on rank 0's rows alone
+    ref = reference(SGD, world, steps).params
+    ref_one = reference(SGD, world, steps, only=0).params  # one process on rank 0's rows alone
     out = {}
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
     for name, loss in [("wrong", lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)])),
@@ -492,7 +489,7 @@ def token_mean_per_rank(quick):
     """Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short
     batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    ref = reference("sgd", world, steps, masked=True).params  # the mean over every token
+    ref = reference(SGD, world, steps, masked=True).params  # the mean over every token
 
     def token_sum(model, x, y):  # the sum over this rank's tokens / the global count; x N:
         x, y = x[rows(dist.get_rank())], y[rows(dist.get_rank())]  # zero.py divides by N
@@ -515,7 +512,7 @@ def bf16_reduce(quick):
     """Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3
     digits before it is summed, and the sum again: every step is off. Reduce in fp32."""
     steps = 3 if quick else STEPS
-    ref = reference("adamw", dist.get_world_size(), steps).params
+    ref = reference(ADAMW, dist.get_world_size(), steps).params
     # (zero.ZeRO2(model, ...) as zero.wrap(model, 2, ...) builds it)
     return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype).opt, ref)
             for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
@@ -572,7 +569,7 @@ def eval_on_rank_0(quick):
     """At stage 3 a forward is collectives: each unit is all-gathered before it computes. On
     rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates."""
     x, y = batch(99, dist.get_world_size())
-    out = {}
+    out = {"wrong": "(rank 0 evaluated alone)"}  # on the other ranks
     for name in ("wrong", "right"):
         model, opt, _ = trained(zero.ZeRO3, 1)
         # A group of its own with a short timeout (made by every rank, as new_group must be), so
@@ -583,13 +580,12 @@ def eval_on_rank_0(quick):
             # WRONG: `if rank == 0:` evaluates on rank 0 alone
             if name == "right" or dist.get_rank() == 0:
                 with torch.no_grad():
-                    out[name] = mean_over_ranks(loss_of(model, x, y)) if name == "right" else \
-                        loss_of(model, x, y).item()
+                    loss = loss_of(model, x, y)
+                    out[name] = mean_over_ranks(loss) if name == "right" else loss.item()
         except RuntimeError as e:  # gloo's message starts with its source file: keep the end
             said = str(e).strip().splitlines()[0].split("] ")[-1]
             out[name] = (f"hang: rank 0 waited in an all-gather no other rank made, ended by the "
                          f"group's timeout after {time.perf_counter() - start:.1f} s ({said})")
-        out.setdefault(name, "(rank 0 evaluated alone)")
         dist.barrier()  # every rank back in step, on the default group; opt.group is abandoned
         # (the wrong run's ZeRO3 is left half-gathered on rank 0: not used again)
     return out
@@ -631,7 +627,7 @@ def no_zero_grad(quick):
     """Without zero_grad() each backward adds to the last step's averaged gradient, which
     keeps pushing: every past step is applied again. zero.py refuses that backward."""
     steps = 3 if quick else STEPS
-    ref = reference("sgd", dist.get_world_size(), steps).params
+    ref = reference(SGD, dist.get_world_size(), steps).params
     # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
     return {name: outcome(lambda: distance(
                 trained(cls, steps, SGD, zero_grad=name == "right").opt, ref))
