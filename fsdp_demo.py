@@ -139,15 +139,14 @@ def materialize(model, args, device):
     with warnings.catch_warnings():  # on CPU torch warns that DTensor's random init is not
         warnings.filterwarnings("ignore", message="DTensor random operators")  # one stream:
         model.apply(zero.GPT.init_weights)  # known (above), and overwritten below
-    full = {}
-    if dist.get_rank() == 0:
-        if args.init_from:
-            full = checkpoints.read_state_dict(args.init_from)
-        else:  # built whole on the CPU (its constructor draws an init), then seeded again
-            whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
-            torch.manual_seed(args.seed)
-            whole.apply(zero.GPT.init_weights)
-            full = whole.state_dict()
+    full = {}  # rank 0's, for every rank
+    if dist.get_rank() == 0 and args.init_from:
+        full = checkpoints.read_state_dict(args.init_from)
+    elif dist.get_rank() == 0:  # built whole on the CPU (its constructor draws an init), then
+        whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)  # seeded again
+        torch.manual_seed(args.seed)
+        whole.apply(zero.GPT.init_weights)
+        full = whole.state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                               broadcast_from_rank0=True))
 
@@ -169,56 +168,37 @@ def pytorch(args, world, count_steps=math.inf):
 class CommCounter(TorchDispatchMode):
     """Counts the bytes of every c10d collective that runs while it is active, at the same ring
     cost as zero.py's own counter (Meter.sent). FSDP2 and ZeroRedundancyOptimizer call
-    torch.distributed from Python, DDP's reducer from C++, DTensor uses functional collectives;
-    all of them go through the dispatcher as ops, and that is where this looks. Not seen: what
-    DTensor sends inside its own dispatch (a mode is switched off there), which here is only the
-    few bytes of clip_grad_norm_'s norm over FSDP2's sharded gradients."""
+    torch.distributed from Python, DDP's reducer from C++; all of them go through the dispatcher
+    as c10d ops, and that is where this looks. Not seen: what DTensor sends inside its own
+    dispatch (a mode is switched off there), which here is only the few bytes of
+    clip_grad_norm_'s norm over FSDP2's sharded gradients."""
 
     # (op name, kind, ring cost x)
     KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),
              ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1),
              ("reduce", "reduce", 1), ("alltoall", "all_to_all", 1)]
 
-    def __init__(self, world, comm):
+    def __init__(self, comm):
         super().__init__()
-        self.world, self.comm = world, comm
+        self.comm = comm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first
-        # and reduce-scatter's input second. _c10d_functional.all_reduce, .all_gather_into_tensor,
-        # ... (DTensor's, e.g. for the gradient norm) take only the input: an all-gather's is 1/N
-        # of it.
-        functional = func.namespace == "_c10d_functional"
+        # and reduce-scatter's input second; the op's ProcessGroup argument is the ring
         name = func.overloadpacket.__name__.replace("_", "")
-        for key, kind, times in self.KINDS if func.namespace == "c10d" or functional else []:
+        for key, kind, times in self.KINDS if func.namespace == "c10d" else []:
             if name.startswith(key):  # "reducescatter" is matched before "reduce"
-                arg = 1 if key == "reducescatter" and not functional else 0
-                full = sum(t.numel() * t.element_size() for t in tree_leaves(args[arg]))
-                ranks = _group_ranks(args) or range(self.world)  # the ring: the group's ranks
+                data = args[1] if key == "reducescatter" else args[0]
+                full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
+                group = next(a for a in args if isinstance(a, torch.ScriptObject)
+                             and a._type().name() == "ProcessGroup")
+                ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(group))
                 n = len(ranks)
-                full *= n if key == "allgather" and functional else 1
                 if kind == "all_reduce" and n > 1 and ranks[1] - ranks[0] > 1:
                     kind = "all_reduce across groups"  # hybrid: ranks G apart, one per group
                 self.comm[kind] += times * (n - 1) * full / n
                 break
         return func(*args, **(kwargs or {}))
-
-
-def _group_ranks(args):
-    """The global ranks of the process group a c10d op runs over (a ProcessGroup argument, or a
-    functional op's group name), or None."""
-    for a in args:
-        group = None
-        if isinstance(a, torch.ScriptObject) and a._type().name() == "ProcessGroup":
-            group = dist.ProcessGroup.unbox(a)  # what c10d's ops are handed
-        elif isinstance(a, str):
-            with contextlib.suppress(KeyError, ValueError, RuntimeError):
-                group = dist.distributed_c10d._resolve_process_group(a)
-        if group is not None:
-            try:
-                return dist.get_process_group_ranks(group)
-            except (KeyError, ValueError, RuntimeError):  # not a group this process knows by name
-                return list(range(group.size()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,8 +227,7 @@ class Torch:
 
     def counting(self):
         self.count_steps -= 1
-        return (CommCounter(self.world, self.comm) if self.count_steps >= 0
-                else contextlib.nullcontext())
+        return CommCounter(self.comm) if self.count_steps >= 0 else contextlib.nullcontext()
 
     def clip_grad_norm_(self, max_norm):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -320,15 +299,15 @@ class Torch:
             return distribute_tensor(full.to(self.device), p.device_mesh, p.placements,
                                      src_data_rank=None)
         weights = {n: shard(n, t) for n, t in checkpoints.checkpoint_tensors(manifest, parts)}
-        state = {n: {} for n in weights}
-        for key in checkpoints.checkpoint_state_keys(parts):  # Adam's exp_avg, exp_avg_sq
+        # Adam's step counts (of the parameters ever stepped), then exp_avg, exp_avg_sq
+        state = {n: dict(s) for n, s in checkpoints.checkpoint_scalars(manifest, parts).items()}
+        for key in checkpoints.checkpoint_state_keys(parts):
             for n, t in checkpoints.checkpoint_tensors(manifest, parts, key):
-                state[n][key] = shard(n, t)
-        scalars = checkpoints.checkpoint_scalars(manifest, parts)  # Adam's step counts
-        state = {n: {**st, **scalars[n]} for n, st in state.items() if n in scalars}
-        frozen = parts[0]["replicated"]  # frozen parameters and buffers: rank 0's part holds them
-        set_model_state_dict(self.model, {k: weights[n] if n in weights else frozen[n]
-                                          for k, n in manifest["keys"]})
+                if n in state:
+                    state[n][key] = shard(n, t)
+        # and the frozen parameters and buffers, which rank 0's part holds
+        values = {**parts[0]["replicated"], **weights}
+        set_model_state_dict(self.model, {k: values[n] for k, n in manifest["keys"]})
         if state:  # (none: the optimizer never stepped, and starts fresh)
             groups = [{**h, "params": list(params)} for h in parts[0]["hyper"]]
             set_optimizer_state_dict(self.model, self.optimizer,
@@ -340,7 +319,7 @@ class Torch:
 
 def compare(args, keep_params=False):
     """PyTorch's run, then zero.py's in the same processes; returns both results."""
-    world = zero.setup(args.backend, args.device, args.timeout)[1]
+    _, world, _ = zero.setup(args.backend, args.device, args.timeout)
     theirs = zero.train(args, pytorch(args, world), keep_params)
     zero.report(theirs, args)
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
@@ -350,7 +329,7 @@ def compare(args, keep_params=False):
         # build() for zero.train: zero.py's own stage, also counted at the dispatcher into
         # `seen`, as a check that both counters agree
         model, opt, label = zero.zero_build(args)(model, device)
-        opt.counting = lambda: CommCounter(world, seen)
+        opt.counting = lambda: CommCounter(seen)
         return model, opt, label
     ours = zero.train(args, counted, keep_params)
     zero.report(ours, args)
@@ -367,9 +346,8 @@ def print_comparison(theirs, ours, args):
         log(f"  {i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>10.2e}")
     largest = max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"]))
     log(f"  largest loss difference {largest:.2e}")
-    if theirs["full"] is not None:
-        diff = max((theirs["full"][n] - t).abs().max().item() for n, t in ours["full"].items())
-        log(f"  largest parameter difference after {args.steps} steps {diff:.2e}")
+    diff = max((theirs["full"][n] - t).abs().max().item() for n, t in ours["full"].items())
+    log(f"  largest parameter difference after {args.steps} steps {diff:.2e}")
     log(f"\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14} {'zero.py':>14} "
         f"{'zero.py / PyTorch':>18}")
 
@@ -419,7 +397,7 @@ def bench(args):
             took.append(time.perf_counter() - t0)
         return statistics.median(took[1:]) * 1e3
 
-    rows = []
+    table, zero_ms = [], {}  # the table's lines; zero.py's median step, ms, per (model, stage)
     for name, size in BENCH_MODELS:
         for stage in range(4):
             # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2
@@ -433,25 +411,23 @@ def bench(args):
                                    ("zero.py", None)):
                     runs[who].append(zero.train(a, build, quiet=True))
                     gc.collect()
-            med = {who: statistics.median(t for r in rs for t in r["times"][1:])
-                   for who, rs in runs.items()}
-            last = {who: rs[-1] for who, rs in runs.items()}
-            rows.append((name, stage, last["zero.py"]["psi"], med, last))
-            zero.log0(f"  measured {name} stage {stage}: "
-                      f"zero.py / PyTorch = {med['zero.py'] / med['PyTorch']:.3f}")
+            ms = {who: statistics.median(t for r in rs for t in r["times"][1:]) * 1e3
+                  for who, rs in runs.items()}
+            zero_ms[name, stage], ratio = ms["zero.py"], ms["zero.py"] / ms["PyTorch"]
+            theirs, ours = runs["PyTorch"][-1], runs["zero.py"][-1]
+            formula = sum(zero.comm_formula(stage, ours["psi"], world).values())
+            table.append(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {ms['PyTorch']:>10.1f}"
+                         f" {ms['zero.py']:>9.1f} {ratio:>6.3f} {sum(theirs['mem'].values()):>14,}"
+                         f" {sum(ours['mem'].values()):>12,} {theirs['sent'][0]:>13,.0f}"
+                         f" {ours['sent'][0]:>11,.0f} {formula:>11,.0f}")
+            zero.log0(f"  measured {name} stage {stage}: zero.py / PyTorch = {ratio:.3f}")
     log = zero.log0
     log(f"\n--bench: N = {world} ({dist.get_backend()}), fp32 AdamW, {args.repeats} alternating "
         f"runs x {steps - 1} timed steps each; bytes per rank (largest over ranks)")
     log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9}"
         f" {'ratio':>6} {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13}"
         f" {'sent zero':>11} {'formula':>11}")
-    for name, stage, psi, med, last in rows:
-        formula = sum(zero.comm_formula(stage, psi, world).values())
-        log(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {med['PyTorch'] * 1e3:>10.1f}"
-            f" {med['zero.py'] * 1e3:>9.1f} {med['zero.py'] / med['PyTorch']:>6.3f}"
-            f" {sum(last['PyTorch']['mem'].values()):>14,}"
-            f" {sum(last['zero.py']['mem'].values()):>12,} {last['PyTorch']['sent'][0]:>13,.0f}"
-            f" {last['zero.py']['sent'][0]:>11,.0f} {formula:>11,.0f}")
+    log("\n".join(table))
     log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params"
         " + grads + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or"
         " 3Ψ (N-1)/N x 4 bytes")
@@ -459,13 +435,13 @@ def bench(args):
     # of 16 bytes per step, zero.check_step_agrees; check_steps=False, --no-step-check: off)
     check = torch.zeros(2, dtype=torch.int64, device=device)
     check_ms = median_ms(lambda: dist.all_reduce(check, op=dist.ReduceOp.MAX), 10 * args.repeats)
-    step_ms = rows[0][3]["zero.py"] * 1e3  # the default model, stage 0
+    first, _ = BENCH_MODELS[0]  # the default model
     log(f"per-step check that ranks agree (one 16-byte all_reduce): {check_ms:.3f} ms, "
-        f"{100 * check_ms / step_ms:.1f}% of the {rows[0][0]} model's stage-0 step")
+        f"{100 * check_ms / zero_ms[first, 0]:.1f}% of the {first} model's stage-0 step")
     # What the backend charges for each collective on the same bytes: the ZeRO paper's "stage 1
     # costs what stage 0 costs" (arXiv:1910.02054) assumes reduce-scatter + all-gather =
     # all-reduce, as ring algorithms give.
-    x = torch.randn(rows[-1][2] // world * world, device=device)  # Ψ of the last model
+    x = torch.randn(ours["psi"] // world * world, device=device)  # Ψ of the last model
     shard, full = torch.empty(x.numel() // world, device=device), torch.empty_like(x)
     times = {name: median_ms(call, args.repeats) for name, call in [
         ("all_reduce", lambda: dist.all_reduce(x)),
@@ -473,12 +449,12 @@ def bench(args):
         ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
         ("zero.reduce_scatter", lambda: zero.reduce_scatter(shard, x)),
         ("zero.all_gather", lambda: zero.all_gather(full, shard))]}
-    ours = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]
+    own = (times["zero.reduce_scatter"] + times["zero.all_gather"]) / times["all_reduce"]
     log(f"{dist.get_backend()} collectives on {4 * x.numel() / 1e6:.0f} MB (the 50M model's fp32 "
         "gradients), median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) +
         "; reduce_scatter + all_gather / all_reduce = "
         f"{(times['reduce_scatter'] + times['all_gather']) / times['all_reduce']:.2f},"
-        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): {ours:.2f}")
+        f" zero.py's own on gloo/CPU (see zero.reduce_scatter): {own:.2f}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,7 +486,7 @@ def main(argv=None):
     elif args.compare:
         print_comparison(*compare(args, keep_params=True), args)
     else:
-        world = zero.setup(args.backend, args.device, args.timeout)[1]
+        _, world, _ = zero.setup(args.backend, args.device, args.timeout)
         zero.report(zero.train(args, pytorch(args, world)), args)
 
 

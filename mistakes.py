@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, io, json, os, textwrap, time
+import collections, contextlib, functools, inspect, io, json, os, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -69,7 +69,6 @@ DTYPE = torch.float64               # rounding at 1e-16: a gap above that is the
 HANG_S = 3                          # seconds before a collective no other rank makes is a hang
 SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.02, weight_decay=0.1)
-OPTIMIZERS = {"sgd": SGD, "adamw": ADAMW}
 
 
 class Tiny(nn.Module):
@@ -156,22 +155,28 @@ def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, z
     return losses
 
 
+Run = collections.namedtuple("Run", "model opt losses")
+
+
 def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=rank_mean,
             masked=False, zero_grad=True, **options):
     """A fresh model (the same weights every time) and its optimizer cls(model, optimizer,
-    **options), trained for `steps`: (model, opt, the losses)."""
+    **options), trained for `steps`: a Run (model, opt, the losses)."""
     model = build(dtype=dtype)
     opt = cls(model, optimizer, **options)
-    return model, opt, train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    return Run(model, opt, train(model, opt, steps, clip, accum, loss, masked, zero_grad))
+
+
+Reference = collections.namedtuple("Reference", "losses params")
 
 
 @functools.lru_cache(maxsize=None)
 def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
     """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
-    model, a plain torch optimizer. Returns (the loss at each step, {name: parameter})."""
+    model, a plain torch optimizer. Returns a Reference: the loss at each step, and
+    {name: parameter} after the last."""
     model = build(dtype=dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = OPTIMIZERS[optimizer](params)
+    opt = optimizer(model.parameters())
     keep = rows(only) if only is not None else slice(None)
     losses = []
     for step in range(steps):
@@ -182,11 +187,11 @@ def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=No
             loss.backward()
             total += loss.item()
         if clip:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,15 +217,15 @@ def spread(model):
     return (every.amax(0) - every.amin(0)).max().item()
 
 
-def peak_bytes(variants, kind, steps, accum=1):
-    """Each variant's (name, cls) peak bytes of `kind` (zero.py's Meter, opt.peak) and its
-    distance to the reference (detail: both train right); the note: the formula's bytes, at the
-    stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8 bytes
-    a parameter, 8 a gradient, 16 of m and v)."""
-    _, ref = reference("adamw", dist.get_world_size(), steps, accum=accum)
+def peak_bytes(wrong, right, kind, steps, accum=1):
+    """The wrong and the right class's peak bytes of `kind` (zero.py's Meter, opt.peak) and
+    their distances to the reference (detail: both train right); the note: the formula's bytes,
+    at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
+    bytes a parameter, 8 a gradient, 16 of m and v)."""
+    ref = reference(ADAMW, dist.get_world_size(), steps, accum=accum).params
     out = {}
-    for name, cls in variants:
-        opt = trained(cls, steps, accum=accum)[1]
+    for name, cls in [("wrong", wrong), ("right", right)]:
+        opt = trained(cls, steps, accum=accum).opt
         out[name], out[name + "_distance"] = opt.peak[kind], distance(opt, ref)
     (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
     formula = {s: zero.memory_formula(s, opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
@@ -245,18 +250,21 @@ def outcome(run):  # run()'s number, or the error it raised: the mistake's, or z
 
 # ----------------------------------------------------------------------------------------------
 # The mistakes. Each is registered with what it measures, at which stage it runs here (and at
-# which it applies), why it breaks (at most three lines) and the place in zero.py that gets it
-# right. Its function runs the wrong code and the right code and returns both numbers.
+# which it applies) and the place in zero.py that gets it right. Its function runs the wrong code
+# and the right code and returns both numbers; its docstring says why it breaks (at most three
+# lines, as the table prints them).
 
-# stages: where the mistake applies; stage: the stage it runs at here; measure: what the numbers
-# are; where: the zero.py function or method that gets it right
+# name: the function's (no-divide-sgd for no_divide_sgd); stages: where the mistake applies;
+# stage: the stage it runs at here; measure: what the numbers are; where: the zero.py function or
+# method that gets it right; why: the function's docstring
 Mistake = collections.namedtuple("Mistake", "name stages stage measure where why run")
 MISTAKES = {}
 
 
-def mistake(name, stages, stage, measure, where, why):
+def mistake(stages, stage, measure, where):
     def register(fn):
-        MISTAKES[name] = Mistake(name, stages, stage, measure, where, why, fn)
+        name = fn.__name__.replace("_", "-")
+        MISTAKES[name] = Mistake(name, stages, stage, measure, where, inspect.getdoc(fn), fn)
         return fn
     return register
 
@@ -274,13 +282,13 @@ class NoDivide(zero.ZeRO1):
 
 
 def no_divide(optimizer, steps):
-    ref_losses, ref = reference(optimizer, dist.get_world_size(), steps)
-    out, losses = {}, {"reference": ref_losses}
+    ref = reference(optimizer, dist.get_world_size(), steps)
+    out, losses = {}, {"reference": ref.losses}
     for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
         # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
-        _, opt, losses[name] = trained(cls, steps, OPTIMIZERS[optimizer])
-        out[name], out[name + "_losses"] = loss_gap(losses[name], ref_losses), losses[name]
-        out[name + "_distance"] = distance(opt, ref)
+        run = trained(cls, steps, optimizer)
+        losses[name], out[name] = run.losses, loss_gap(run.losses, ref.losses)
+        out[name + "_distance"] = distance(run.opt, ref.params)
     out["detail"] = [f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
                      for label, values in losses.items()]
     out["detail"] += [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
@@ -288,18 +296,18 @@ def no_divide(optimizer, steps):
     return out
 
 
-@mistake("no-divide-sgd", "0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads",
-         "The reduction sums the N ranks' gradients: the gradient of N times the loss. SGD's "
-         "step\nis N times too large from the first step on.")
+@mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
 def no_divide_sgd(quick):
-    return no_divide("sgd", 3 if quick else STEPS)
+    """The reduction sums the N ranks' gradients: the gradient of N times the loss. SGD's step
+    is N times too large from the first step on."""
+    return no_divide(SGD, 3 if quick else STEPS)
 
 
-@mistake("no-divide-adamw", "0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads",
-         "The same missing division, under AdamW: Adam divides m by sqrt(v), and the scale N\n"
-         "cancels but for epsilon (and clipping). Almost invisible; still wrong.")
+@mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
 def no_divide_adamw(quick):
-    return no_divide("adamw", 3 if quick else STEPS)
+    """The same missing division, under AdamW: Adam divides m by sqrt(v), and the scale N
+    cancels but for epsilon (and clipping). Almost invisible; still wrong."""
+    return no_divide(ADAMW, 3 if quick else STEPS)
 
 
 # --- stage 2: when the gradient is reduced ----------------------------------------------------
@@ -318,21 +326,19 @@ class NoSyncKeepsGradients(zero.ZeRO2):
         return self._sync  # WRONG: under no_sync() the full [N*S] gradient stays until later
 
 
-@mistake("late-reduce-scatter", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
-         "Reduce-scattered after backward, every unit's full gradient is held at once: the peak\n"
-         "is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.")
+@mistake("2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward")
 def late_reduce_scatter(quick):
-    return peak_bytes([("wrong", LateReduceScatter), ("right", zero.ZeRO2)], "grads",
-                      2 if quick else 3)
+    """Reduce-scattered after backward, every unit's full gradient is held at once: the peak
+    is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2."""
+    return peak_bytes(LateReduceScatter, zero.ZeRO2, "grads", 2 if quick else 3)
 
 
-@mistake("no-sync-stage-2", "2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward",
-         "no_sync() defers the reduction, so the full gradient lives until the last micro-batch:\n"
-         "stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to\n"
-         "add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward.")
+@mistake("2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward")
 def no_sync_stage_2(quick):
-    out = peak_bytes([("wrong", NoSyncKeepsGradients), ("right", zero.ZeRO2)], "grads",
-                     2 if quick else 3, accum=2)
+    """no_sync() defers the reduction, so the full gradient lives until the last micro-batch:
+    stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to
+    add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward."""
+    out = peak_bytes(NoSyncKeepsGradients, zero.ZeRO2, "grads", 2 if quick else 3, accum=2)
     out["detail"] = [f"distance to the reference (2 micro-batches a step): wrong "
                      f"{out['wrong_distance']:.2e}, right {out['right_distance']:.1e}"]
     return out
@@ -349,31 +355,30 @@ class NoRegather(zero.ZeRO3):
         self.prefetcher.backward_started(call)
 
 
-@mistake("no-regather", "3", 3, "the first step: its loss, or the error", "ZeRO3._pre_backward",
-         "Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not\n"
-         "gathered again, they are memory given back: an error, or worse, garbage.")
+@mistake("3", 3, "the first step: its loss, or the error", "ZeRO3._pre_backward")
 def no_regather(quick):
-    return {name: outcome(lambda: trained(cls, 1)[2][0])  # the first step's loss, if it gets there
+    """Forward freed each unit; backward needs its parameters again (x.grad = grad @ W). Not
+    gathered again, they are memory given back: an error, or worse, garbage."""
+    return {name: outcome(lambda: trained(cls, 1).losses[0])  # the first step's loss, if any
             for name, cls in [("wrong", NoRegather), ("right", zero.ZeRO3)]}
 
 
-@mistake("one-unit", "3", 3, "peak parameter bytes", "zero.default_units (the blocks)",
-         "With units=[] the whole model is one unit: gathered whole before the first module\n"
-         "computes. It trains right, and each rank's peak holds every parameter: stage 0's.")
+@mistake("3", 3, "peak parameter bytes", "zero.default_units (the blocks)")
 def one_unit(quick):
+    """With units=[] the whole model is one unit: gathered whole before the first module
+    computes. It trains right, and each rank's peak holds every parameter: stage 0's."""
     # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
-    return peak_bytes([("wrong", functools.partial(zero.ZeRO3, units=[])),  # WRONG: units=[]
-                       ("right", zero.ZeRO3)], "params", 2)
+    wrong = functools.partial(zero.ZeRO3, units=[])  # WRONG: units=[]
+    return peak_bytes(wrong, zero.ZeRO3, "params", 2)
 
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
 
-@mistake("different-seeds", "0-3", 0, "replicas' spread after the steps",
-         "DataParallel.__init__ (its broadcast)",
-         "Each rank built its own random weights. The mean gradient moves every replica alike,\n"
-         "so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the\n"
-         "step would hide it, every rank then holding a patchwork of the ranks' inits).")
+@mistake("0-3", 0, "replicas' spread after the steps", "DataParallel.__init__ (its broadcast)")
 def different_seeds(quick):
+    """Each rank built its own random weights. The mean gradient moves every replica alike,
+    so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the
+    step would hide it, every rank then holding a patchwork of the ranks' inits)."""
     out = {}
     for name in ("wrong", "right"):
         model = build(seed=dist.get_rank())  # the mistake: a seed per rank
@@ -397,17 +402,16 @@ class NoGatherAfterStep(zero.ZeRO1):
         pass  # WRONG: ZeRO1 all-gathers every unit's updated shards into every rank's parameters
 
 
-@mistake("no-gather-after-step", "1-2", 1, "replicas' spread after the steps",
-         "ZeRO1._gather_params",
-         "Each rank updated only its own shard; the rest of its parameters are stale and differ\n"
-         "from rank to rank. The replicas drift apart, and every forward computes with a mix.")
+@mistake("1-2", 1, "replicas' spread after the steps", "ZeRO1._gather_params")
 def no_gather_after_step(quick):
+    """Each rank updated only its own shard; the rest of its parameters are stale and differ
+    from rank to rank. The replicas drift apart, and every forward computes with a mix."""
     steps = 3 if quick else STEPS
-    ref_losses, _ = reference("adamw", dist.get_world_size(), steps)
+    ref = reference(ADAMW, dist.get_world_size(), steps)
     out = {}
     for name, cls in [("wrong", NoGatherAfterStep), ("right", zero.ZeRO1)]:
-        model, _, losses = trained(cls, steps)
-        out[name], out[name + "_gap"] = spread(model), loss_gap(losses, ref_losses)
+        run = trained(cls, steps)
+        out[name], out[name + "_gap"] = spread(run.model), loss_gap(run.losses, ref.losses)
     out["detail"] = [f"loss gap to the reference, max: wrong {out['wrong_gap']:.2e}, right "
                      f"{out['right_gap']:.1e}"]
     return out
@@ -424,14 +428,14 @@ class LocalClip(zero.ZeRO1):
         return squares
 
 
-@mistake("local-clip", "1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares",
-         "The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and\n"
-         "differs: each shard is scaled by its own factor, the update points somewhere else.")
+@mistake("1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares")
 def local_clip(quick):
+    """The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and
+    differs: each shard is scaled by its own factor, the update points somewhere else."""
     steps = 3 if quick else STEPS
     # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
-    _, ref = reference("sgd", dist.get_world_size(), steps, clip=0.05, dtype=torch.float32)
-    return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05)[1], ref)
+    ref = reference(SGD, dist.get_world_size(), steps, clip=0.05, dtype=torch.float32).params
+    return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05).opt, ref)
             for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]}
 
 
@@ -439,21 +443,20 @@ class StepsWithoutGradient(zero.DataParallel):
     """DataParallel that steps every parameter, as if one without a gradient had a zero one."""
 
     def _reduce_grads(self):
-        if not self._reduced:
-            super()._reduce_grads()  # with_grad: the parameters some rank got a gradient for
-            self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
+        super()._reduce_grads()  # with_grad: the parameters some rank got a gradient for
+        self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
 
 
-@mistake("step-without-gradient", "0-3", 0, "how far the unused head moved",
-         "DataParallel.step (.grad None where no rank gave a gradient: check_step_agrees)",
-         "A zero gradient is not no gradient: AdamW still decays the weight (and a past step's\n"
-         "m and v still move it). torch skips a parameter whose .grad is None; so does zero.py.")
+@mistake("0-3", 0, "how far the unused head moved",
+         "DataParallel.step (.grad None where no rank gave a gradient: check_step_agrees)")
 def step_without_gradient(quick):
+    """A zero gradient is not no gradient: AdamW still decays the weight (and a past step's
+    m and v still move it). torch skips a parameter whose .grad is None; so does zero.py."""
     steps = 2 if quick else STEPS
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
-    out = {name: distance(trained(cls, steps)[1], {"aux.weight": before})  # how far it moved
+    out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    _, ref = reference("adamw", dist.get_world_size(), steps)
+    ref = reference(ADAMW, dist.get_world_size(), steps).params
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
                      f"{(ref['aux.weight'] - before).abs().max().item():.1e}"]
     return out
@@ -461,32 +464,32 @@ def step_without_gradient(quick):
 
 # --- the data: each rank its own rows, each token its weight ----------------------------------
 
-@mistake("same-batch", "0-3", 1, "distance to the global-batch reference",
-         "zero.get_batch (rank r reads rows r*B to (r+1)*B of the global batch)",
-         "Every rank read rank 0's rows: N times the compute for one rank's batch. It trains\n"
-         "exactly like one process on that batch, not like the global batch.")
+@mistake("0-3", 1, "distance to the global-batch reference",
+         "zero.get_batch (rank r reads rows r*B to (r+1)*B of the global batch)")
 def same_batch(quick):
+    """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
+    exactly like one process on that batch, not like the global batch."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    _, ref = reference("sgd", world, steps)
-    _, ref_one = reference("sgd", world, steps, only=0)  # one process on rank 0's rows alone
+    ref = reference(SGD, world, steps).params
+    ref_one = reference(SGD, world, steps, only=0).params  # one process on rank 0's rows alone
     out = {}
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
     for name, loss in [("wrong", lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)])),
                        ("right", rank_mean)]:
-        opt = trained(zero.ZeRO1, steps, SGD, loss=loss)[1]
+        opt = trained(zero.ZeRO1, steps, SGD, loss=loss).opt
         out[name], out[name + "_one"] = distance(opt, ref), distance(opt, ref_one)
     out["detail"] = [f"distance to one process on rank 0's rows alone: wrong "
                      f"{out['wrong_one']:.1e}, right {out['right_one']:.2e}"]
     return out
 
 
-@mistake("token-mean-per-rank", "0-3", 1, "distance to the reference",
-         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)",
-         "Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short\n"
-         "batch more than one of a long batch. Sum the tokens' losses; divide by the global count.")
+@mistake("0-3", 1, "distance to the reference",
+         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)")
 def token_mean_per_rank(quick):
+    """Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short
+    batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    _, ref = reference("sgd", world, steps, masked=True)  # the mean over every token
+    ref = reference(SGD, world, steps, masked=True).params  # the mean over every token
 
     def token_sum(model, x, y):  # the sum over this rank's tokens / the global count; x N:
         x, y = x[rows(dist.get_rank())], y[rows(dist.get_rank())]  # zero.py divides by N
@@ -495,30 +498,31 @@ def token_mean_per_rank(quick):
         return loss_of(model, x, y, reduction="sum") * world / tokens
 
     # WRONG: rank_mean, the loop's loss: the mean over this rank's tokens
-    out = {name: distance(trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True)[1], ref)
+    out = {name: distance(trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True).opt, ref)
            for name, loss in [("wrong", rank_mean), ("right", token_sum)]}
-    counts = [int((batch(0, world, masked=True)[1][rows(r)] != -100).sum()) for r in range(world)]
+    _, y = batch(0, world, masked=True)
+    counts = [int((y[rows(r)] != -100).sum()) for r in range(world)]
     out["detail"] = [f"tokens per rank: {counts}"]
     return out
 
 
-@mistake("bf16-reduce", "0-3", 2, "distance to the reference",
-         "DataParallel._reduce_unit (reduce_dtype: fp32 by default in mixed precision)",
-         "Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3\n"
-         "digits before it is summed, and the sum again: every step is off. Reduce in fp32.")
+@mistake("0-3", 2, "distance to the reference",
+         "DataParallel._reduce_unit (reduce_dtype: fp32 by default in mixed precision)")
 def bf16_reduce(quick):
+    """Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3
+    digits before it is summed, and the sum again: every step is off. Reduce in fp32."""
     steps = 3 if quick else STEPS
-    _, ref = reference("adamw", dist.get_world_size(), steps)
+    ref = reference(ADAMW, dist.get_world_size(), steps).params
     # (zero.ZeRO2(model, ...) as zero.wrap(model, 2, ...) builds it)
-    return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype)[1], ref)
+    return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype).opt, ref)
             for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
 
 
-@mistake("optimizer-before-wrap", "1-3", 2, "how far the parameters moved",
-         "zero.wrap (returns the optimizer that steps the shards)",
-         "A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is\n"
-         "None (each unit's gradient is reduced into this rank's shard). Nothing trains.")
+@mistake("1-3", 2, "how far the parameters moved",
+         "zero.wrap (returns the optimizer that steps the shards)")
 def optimizer_before_wrap(quick):
+    """A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is
+    None (each unit's gradient is reduced into this rank's shard). Nothing trains."""
     before = {n: p.detach() for n, p in build().named_parameters()}  # every fresh model's
     out = {}
     for name in ("wrong", "right"):
@@ -533,27 +537,26 @@ def optimizer_before_wrap(quick):
     return out
 
 
-@mistake("state-dict-at-stage-3", "3", 3, "the saved weights, loaded back",
-         "zero.guard_sharded_parameters; opt.full_state_dict()",
-         "Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.\n"
-         "torch.save writes the file all the same, and only loading it fails. zero.py refuses the\n"
-         "read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them.")
+@mistake("3", 3, "the saved weights, loaded back",
+         "zero.guard_sharded_parameters; opt.full_state_dict()")
 def state_dict_at_stage_3(quick):
+    """Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.
+    torch.save writes the file all the same, and only loading it fails. zero.py refuses the
+    read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them."""
     out = {}
     for name in ("guard", "wrong", "right"):
         model, opt, _ = trained(zero.ZeRO3, 1)
-        full, saved = opt.full_state_dict(), None  # {name: tensor}: the shards gathered
+        full = opt.full_state_dict()  # {name: tensor}: the shards gathered
         if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
             for p in model.parameters():
                 p.__class__ = nn.Parameter
         file = io.BytesIO()
         try:  # WRONG: model.state_dict(), the model's own, at stage 3
             torch.save(full if name == "right" else model.state_dict(), file)
-            saved = file.tell()
-            file.seek(0)
-            loaded = torch.load(file)
+            loaded = torch.load(io.BytesIO(file.getvalue()))
             out[name] = max((loaded[n] - full[n]).abs().max().item() for n in full)
         except RuntimeError as e:
+            saved = len(file.getvalue())  # 0 where the guard refused to read the model
             out[name] = (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
                          "") + first_line(e)
     return out
@@ -561,12 +564,12 @@ def state_dict_at_stage_3(quick):
 
 # --- ranks out of step: a collective no other rank makes, units reduced in another order -------
 
-@mistake("eval-on-rank-0", "3", 3, "an evaluation forward", "ZeRO3._pre_forward",
-         "At stage 3 a forward is collectives: each unit is all-gathered before it computes. On\n"
-         "rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates.")
+@mistake("3", 3, "an evaluation forward", "ZeRO3._pre_forward")
 def eval_on_rank_0(quick):
+    """At stage 3 a forward is collectives: each unit is all-gathered before it computes. On
+    rank 0 alone, its all-gather waits for partners that never come. Every rank evaluates."""
     x, y = batch(99, dist.get_world_size())
-    out = {}
+    out = {"wrong": "(rank 0 evaluated alone)"}  # on the other ranks
     for name in ("wrong", "right"):
         model, opt, _ = trained(zero.ZeRO3, 1)
         # A group of its own with a short timeout (made by every rank, as new_group must be), so
@@ -577,13 +580,12 @@ def eval_on_rank_0(quick):
             # WRONG: `if rank == 0:` evaluates on rank 0 alone
             if name == "right" or dist.get_rank() == 0:
                 with torch.no_grad():
-                    out[name] = mean_over_ranks(loss_of(model, x, y)) if name == "right" else \
-                        loss_of(model, x, y).item()
+                    loss = loss_of(model, x, y)
+                    out[name] = mean_over_ranks(loss) if name == "right" else loss.item()
         except RuntimeError as e:  # gloo's message starts with its source file: keep the end
             said = str(e).strip().splitlines()[0].split("] ")[-1]
             out[name] = (f"hang: rank 0 waited in an all-gather no other rank made, ended by the "
                          f"group's timeout after {time.perf_counter() - start:.1f} s ({said})")
-        out.setdefault(name, "(rank 0 evaluated alone)")
         dist.barrier()  # every rank back in step, on the default group; opt.group is abandoned
         # (the wrong run's ZeRO3 is left half-gathered on rank 0: not used again)
     return out
@@ -597,18 +599,16 @@ class OtherOrder(zero.DataParallel):
         units = self.units
         if self.rank % 2:
             self.units = [units[1], units[0], *units[2:]]  # WRONG: another order on odd ranks
-        try:
-            super()._reduce_grads()
-        finally:
-            self.units = units
+        super()._reduce_grads()  # (where the guard stops the step, this optimizer is dropped)
+        self.units = units
 
 
-@mistake("units-out-of-order", "0-3", 0, "replicas' spread (no check)", "zero.check_step_agrees",
-         "Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective\n"
-         "fails. zero.py fingerprints what each rank reduced, and stops the step if they differ.")
+@mistake("0-3", 0, "replicas' spread (no check)", "zero.check_step_agrees")
 def units_out_of_order(quick):
-    steps = 2 if quick else 3
-    return {name: outcome(lambda: spread(trained(cls, steps, overlap=False, check_steps=check)[0]))
+    """Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective
+    fails. zero.py fingerprints what each rank reduced, and stops the step if they differ."""
+    run = functools.partial(trained, steps=2 if quick else 3, overlap=False)
+    return {name: outcome(lambda: spread(run(cls, check_steps=check).model))
             for name, cls, check in [("guard", OtherOrder, True),
                                      ("wrong", OtherOrder, False),  # wrong: check_steps=False
                                      ("right", zero.DataParallel, True)]}
@@ -622,19 +622,17 @@ class NoBackwardAfterStepCheck(zero.ZeRO1):
         super()._on_grad(unit, p)
 
 
-@mistake("no-zero-grad", "0-3", 1, "distance to the reference (no check)", "DataParallel._on_grad",
-         "Without zero_grad() each backward adds to the last step's averaged gradient, which\n"
-         "keeps pushing: every past step is applied again. zero.py refuses that backward.")
+@mistake("0-3", 1, "distance to the reference (no check)", "DataParallel._on_grad")
 def no_zero_grad(quick):
+    """Without zero_grad() each backward adds to the last step's averaged gradient, which
+    keeps pushing: every past step is applied again. zero.py refuses that backward."""
     steps = 3 if quick else STEPS
-    _, ref = reference("sgd", dist.get_world_size(), steps)
-    out = {}
-    for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
-                      ("right", zero.ZeRO1)]:
-        # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
-        run = functools.partial(trained, cls, steps, SGD, zero_grad=name == "right")
-        out[name] = outcome(lambda: distance(run()[1], ref))
-    return out
+    ref = reference(SGD, dist.get_world_size(), steps).params
+    # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
+    return {name: outcome(lambda: distance(
+                trained(cls, steps, SGD, zero_grad=name == "right").opt, ref))
+            for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
+                              ("right", zero.ZeRO1)]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -660,16 +658,6 @@ def row(m, res, detail):
     return lines + ([f"  {d}" for d in res.get("detail", [])] if detail else [])
 
 
-def parser():
-    p = zero.Parser(description="The classic mistakes of data-parallel and ZeRO training, each "
-                                "run beside the right code and measured.")
-    p.add_argument("names", nargs="*", metavar="NAME",
-                   help="mistakes to run, with detail (default: every one, one table)")
-    p.add_argument("--list", action="store_true", help="print the names and stages, and exit")
-    p.add_argument("--json", metavar="FILE", help="also write the results to FILE (default: none)")
-    return p
-
-
 def run_lab(names, quick=False):
     """Every rank runs the named mistakes (default all), in turn: {name: result}."""
     torch.set_num_threads(1)
@@ -681,11 +669,17 @@ def run_lab(names, quick=False):
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
-    unknown = [n for n in args.names if n not in MISTAKES]
-    if unknown:
-        raise zero.UsageError(f"no mistake named {unknown[0]!r}: `python mistakes.py --list` "
-                              "names them")
+    p = zero.Parser(description="The classic mistakes of data-parallel and ZeRO training, each "
+                                "run beside the right code and measured.")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="mistakes to run, with detail (default: every one, one table)")
+    p.add_argument("--list", action="store_true", help="print the names and stages, and exit")
+    p.add_argument("--json", metavar="FILE", help="also write the results to FILE (default: none)")
+    args = p.parse_args(argv)
+    for name in args.names:
+        if name not in MISTAKES:
+            raise zero.UsageError(f"no mistake named {name!r}: `python mistakes.py --list` "
+                                  "names them")
     if args.list:
         for m in MISTAKES.values():
             word = "stages" if "-" in m.stages else "stage "
