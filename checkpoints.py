@@ -70,20 +70,22 @@ def checkpoint_part(zero):
         S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
         lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
         # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
-
-        def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
-            starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
-            pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
-            return _wide(torch.cat([u.master[:0].cpu()] + [t.detach().cpu() for t in pieces
-                                                            if t.numel()]))
-        units.append({"master": mine(u.pieces), "state": {k: mine(
-            [state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces])
-            for k in keys}})
+        units.append({"master": _slice_of(u.pieces, lo, S), "state": {k: _slice_of(
+            [state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces],
+            lo, S) for k in keys}})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
             "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
             "replicated": {n: t.detach().to("cpu", copy=True) for n, t in replicated(zero.model)}
             if zero.rank == 0 else {}}
+
+
+def _slice_of(tensors, lo, S):
+    """[S] on the CPU, a new tensor: elements [lo, lo + S) of `tensors` end to end (a unit's
+    pieces, or their optimizer state), each sliced before it is copied."""
+    starts = itertools.accumulate((t.numel() for t in tensors), initial=0)
+    return _wide(torch.cat([t.detach()[max(lo - a, 0):max(lo + S - a, 0)].cpu()
+                            for t, a in zip(tensors, starts)]))
 
 
 def load_own_part(zero, state):
