@@ -206,15 +206,6 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     zero._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
 
 
-def _param_scalars(part, written):
-    """{parameter name: optimizer scalars} of a part. Parts written before parameters could
-    skip steps hold one set of scalars, which every parameter had (if the optimizer had state)."""
-    if "param_scalars" in part:
-        return part["param_scalars"]
-    stateful = part["scalars"] or any(unit["state"] for unit in part["units"])
-    return {n: part["scalars"] for unit in written["units"] for n, _ in unit} if stateful else {}
-
-
 def check_checkpoint(zero, parts, written):
     """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
     checked by read_checkpoint) fits this model and optimizer."""
@@ -227,9 +218,6 @@ def check_checkpoint(zero, parts, written):
     # a rank whose parameters never got a gradient has no state to write).
     keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
     for r, part in enumerate(parts):
-        if not all(isinstance(s, dict) for s in _param_scalars(part, written).values()):
-            raise CheckpointError(f"checkpoint part of rank {r}: its optimizer scalars are not "
-                                  "a dictionary per parameter")
         for i, unit in enumerate(part["units"]):
             if set(unit["state"]) not in (keys, set()):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
@@ -358,13 +346,12 @@ def _exchange(a, b):
     if hasattr(libc, "renameat2"):
         AT_FDCWD, RENAME_EXCHANGE = -100, 2
         if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-            return _fsync_dir(os.path.dirname(b))
+            return
         if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
     os.rename(b, a + ".old")
     os.rename(a, b)
     os.rename(a + ".old", a)
-    _fsync_dir(os.path.dirname(b))
 
 
 def _commit(tmp, path, marker, info, keep=None):
@@ -374,12 +361,13 @@ def _commit(tmp, path, marker, info, keep=None):
     that step there already: the names swapped in one step (_exchange), and the old one, now at
     tmp, goes. A rotation that fails leaves more checkpoints, never fewer: not an error."""
     _atomic_write(os.path.join(tmp, marker), lambda f: f.write(_json_lines(info).encode()))
-    if tmp != path and os.path.exists(path):
-        _exchange(tmp, path)
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif tmp != path:
-        os.replace(tmp, path)
+    if tmp != path:
+        if os.path.exists(path):
+            _exchange(tmp, path)
+        else:
+            os.rename(tmp, path)
         _fsync_dir(os.path.dirname(path))
+        shutil.rmtree(tmp, ignore_errors=True)  # the old one, if it was swapped there
     if keep is not None:
         with contextlib.suppress(OSError, CheckpointError):
             _rotate(os.path.dirname(path), info["step"], keep)
@@ -414,10 +402,8 @@ def _json_lines(d):  # a key a line
 def _step_of(name):
     """The step of a checkpoint directory's name, step_00000010 -> 10; None for any other name
     (step_00000010.bak, step_, step_10, a file's name...)."""
-    digits = name[5:]
-    if name.startswith("step_") and digits.isdecimal() and name == f"step_{int(digits):08d}":
-        return int(digits)  # (a non-ASCII digit, which int() reads too, fails the name's test)
-    return None
+    digits = name[5:]  # (a non-ASCII digit, which int() reads too, fails the name's test)
+    return int(digits) if digits.isdecimal() and name == f"step_{int(digits):08d}" else None
 
 
 def _steps(root):
@@ -445,19 +431,16 @@ def choose_checkpoint(root, device):
     with _agreed(device):  # (rank 0's CheckpointError, on every rank: it cannot list root)
         if dist.get_rank() == 0:
             mine = max(_steps(root), default=-1)
-    choice = torch.tensor([mine], dtype=torch.int64, device=device)
-    dist.broadcast(choice, src=0)
-    step = choice.item()
+    step = _all_ranks([mine], device)[0][0]  # rank 0's, on every rank
     return None if step < 0 else os.path.join(root, f"step_{step:08d}")
 
 
 def _first_error(error, device):
     """Every rank's error message ("": none) to every rank, in one small all-gather, and the first
     of them, or "". What lets all ranks raise together: none is left waiting in a collective."""
-    text = error.encode()[:512]
-    rows = _all_ranks(list(text.ljust(512, b"\0")), device, dtype=torch.uint8)
-    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
-    return next((e for e in errors if e), "")
+    rows = _all_ranks(list(error.encode()[:512].ljust(512, b"\0")), device, dtype=torch.uint8)
+    first = next((row for row in rows if any(row)), [])  # the first rank's that has one
+    return bytes(first).rstrip(b"\0").decode(errors="replace")
 
 
 @contextlib.contextmanager
@@ -550,13 +533,12 @@ def _rotate(root, step, keep):
     found = sorted(_steps(root))
     if not found:
         return
-    kept = set(found[-keep:]) | {step}
     for name in os.listdir(root):
         s = _step_of(name)
         partial = name.endswith(".partial") and _step_of(name[:-len(".partial")]) is not None
-        if partial or s is not None and s < min(found[-keep:]) and s not in kept:
+        if partial or s is not None and s < min(found[-keep:]) and s != step:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    for s in kept:
+    for s in {*found[-keep:], step}:  # the ones kept
         path = os.path.join(root, f"step_{s:08d}")
         for name in filter(_is_temporary, os.listdir(path)):
             _remove_quietly(os.path.join(path, name))
@@ -586,7 +568,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
             with contextlib.suppress(OSError):
                 os.rmdir(path)  # if nothing else is left in it
 
-    size, digest = 0, bytes(32)  # (torch.save reports some failed writes as RuntimeError)
+    # (torch.save reports some failed writes as RuntimeError)
     with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
         os.makedirs(path, exist_ok=True)
         _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
@@ -595,15 +577,13 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
     rows = _all_ranks([size, *digest], device)
-    files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
-             for r, row in enumerate(rows)}
-    aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
-    keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
-            if p.requires_grad}
+    files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [n, bytes(sha256).hex()]
+             for r, (n, *sha256) in enumerate(rows)}
+    first = {id(p): n for n, p in opt.model.named_parameters()}  # a tied parameter's first name
+    keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
     manifest = {"format": FORMAT, "step": step, **layout(opt),
-                "optimizer": type(opt.optimizer).__name__,
-                "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
-                "files": files, "extra": extra or {}}
+                "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files,
+                "extra": extra or {}}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(path, "manifest.json")
     with _agreed(device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
@@ -682,6 +662,9 @@ def _part_problem(part, r, manifest):
         tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
         if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
             return f"unit {i}: not {size} elements of master weights and of each optimizer state"
+    scalars = part.get("param_scalars")
+    if not isinstance(scalars, dict) or not all(isinstance(s, dict) for s in scalars.values()):
+        return "its optimizer scalars are not a dictionary per parameter"
     replicated = part.get("replicated")
     if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
         return "'replicated' is not a dictionary of tensors"
@@ -792,7 +775,7 @@ def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's ex
 
 
 def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
-    return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
+    return {n: s for part in parts for n, s in part["param_scalars"].items()}
 
 
 def consolidate(path, out, kind):
@@ -909,9 +892,9 @@ def save_dcp(state, root, step, info, device, keep=2):
 
 
 def read_dcp(path):
-    """complete.json, and {key: (shape, dtype)} of every tensor, of the DCP checkpoint in `path`,
-    checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
-    Reads the index only, no tensor."""
+    """complete.json, and {key: a meta tensor (its shape and dtype)} of every tensor, of the DCP
+    checkpoint in `path`, checked: no marker, or a file that DCP's index names missing or short,
+    is a torn checkpoint. Reads the index only, no tensor."""
     from torch.distributed.checkpoint import FileSystemReader
     info = _read_json(os.path.join(path, DCP_MARKER), "missing: the DCP checkpoint is torn (a "
                       "save killed midway?)", DCP_FORMAT, _marker_problem)
@@ -928,7 +911,7 @@ def read_dcp(path):
         if size < end:
             raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
                                   f"{end}: truncated, the checkpoint is torn")
-    tensors = {k: (list(v.size), v.properties.dtype)
+    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
                for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
     return info, tensors
 
@@ -947,7 +930,8 @@ def check_dcp(model, optimizer, info, tensors, path):
         raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
                               "needs it; start from weights with --init-from")
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
-    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
+    another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
+                         if k.startswith("model.")})
     if info["optimizer"] != type(optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
                               f"run has {type(optimizer).__name__}")
@@ -971,12 +955,12 @@ def load_dcp(zero, path):
                 if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
                     want += [f"model.{names[p]}",
                              *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
-        loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
+        loaded = {k: torch.empty_like(tensors[k], device="cpu") for k in want}
         with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
     per_element = {k for n, ks in keys.items() for k in ks
-                   if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
+                   if tensors[f"optimizer.state.{n}.{k}"].shape == tensors[f"model.{n}"].shape}
     # Adam's step count: a tensor of shape [] per parameter
     scalars = {n: {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
                for n, ks in keys.items() if f"model.{n}" in loaded and ks}
