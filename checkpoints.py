@@ -305,10 +305,11 @@ def load_full_state_dict(zero, state):
 #   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and
 #                                                       shapes, every file's size and sha256
 #
-# A checkpoint is complete when its manifest exists. Every file is written under a temporary
-# name, fsync'ed and renamed (a rename is atomic), and the manifest only after every rank's file
-# is on disk, so a job killed in the middle of a save leaves the previous checkpoint as it was
-# and an incomplete directory that loading skips. The newest `keep` complete ones are kept, and
+# A checkpoint is complete when its manifest exists. A save writes into step_00000010.partial,
+# every file fsync'ed, the manifest only after every rank's file is on disk, and then the
+# directory takes its name in one rename (_commit, as save_dcp does for DCP), so a job killed in
+# the middle of a save leaves the previous checkpoint as it was and a .partial directory that
+# loading skips (and rotation deletes). The newest `keep` complete ones are kept, and
 # always the one just written. Only the names save_checkpoint writes (step_ and the step in 8 or
 # more digits) are checkpoints: anything else in DIR is never read, nor deleted.
 #
@@ -357,17 +358,17 @@ def _exchange(a, b):
 def _commit(tmp, path, marker, info, keep=None):
     """Rank 0, once every rank's files are in directory tmp: the marker that makes it a complete
     checkpoint (info as JSON: zero.py's manifest.json, DCP's complete.json), then tmp takes the
-    name path (if not its name already), then _rotate(keep) if keep is not None. A checkpoint of
-    that step there already: the names swapped in one step (_exchange), and the old one, now at
-    tmp, goes. A rotation that fails leaves more checkpoints, never fewer: not an error."""
+    name path, then _rotate(keep) if keep is not None. A checkpoint of that step there already:
+    the names swapped in one step (_exchange), so that the old one stays whole until the new one
+    is complete, and the old one, now at tmp, goes. A rotation that fails leaves more
+    checkpoints, never fewer: not an error."""
     _atomic_write(os.path.join(tmp, marker), lambda f: f.write(_json_lines(info).encode()))
-    if tmp != path:
-        if os.path.exists(path):
-            _exchange(tmp, path)
-        else:
-            os.rename(tmp, path)
-        _fsync_dir(os.path.dirname(path))
-        shutil.rmtree(tmp, ignore_errors=True)  # the old one, if it was swapped there
+    if os.path.exists(path):
+        _exchange(tmp, path)
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(tmp, ignore_errors=True)  # the old one, if it was swapped there
     if keep is not None:
         with contextlib.suppress(OSError, CheckpointError):
             _rotate(os.path.dirname(path), info["step"], keep)
@@ -529,7 +530,7 @@ def _rotate(root, step, keep):
     """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
     complete ones, but never the one just written (`step`, even if older), the temporary
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
-    directories of DCP saves killed midway (save_dcp: this one's is renamed by now)."""
+    directories of saves killed midway (_partial: this one's is renamed by now)."""
     found = sorted(_steps(root))
     if not found:
         return
@@ -548,30 +549,18 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
-    final = path = os.path.join(root, f"step_{step:08d}")
     device = opt.units[0].flat.device
-    # Overwriting a complete checkpoint of the same step: the new one is written whole beside it
-    # and then takes its name in one rename (_exchange), so that the old one stays whole until
-    # the new one is complete. (Every rank sees the same: no manifest is written before the
-    # all-gather below. Rank 0 clears what a killed overwrite may have left, then a barrier.)
-    if os.path.exists(os.path.join(final, "manifest.json")):
-        path = final + ".tmp0"  # (a temporary name: _is_temporary, never a step: _step_of)
-        if opt.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        _first_error("", device)
+    path, tmp = _partial(root, step, device)
     q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
-    name = os.path.join(path, f"rank_{q:05d}.pt")
+    name = os.path.join(tmp, f"rank_{q:05d}.pt")
 
-    def undo():  # if any rank failed: every rank removes what this save wrote
-        _remove_quietly(name)  # (a manifest that failed is never renamed into place)
+    def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
         if opt.rank == 0:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)  # if nothing else is left in it
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # (torch.save reports some failed writes as RuntimeError)
     with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
-        os.makedirs(path, exist_ok=True)
-        _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
+        os.makedirs(tmp, exist_ok=True)
         _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
         size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
@@ -585,10 +574,20 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
                 "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files,
                 "extra": extra or {}}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
-    manifest_path = os.path.join(path, "manifest.json")
+    manifest_path = os.path.join(tmp, "manifest.json")
     with _agreed(device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
-        if opt.rank == 0:  # complete; an overwrite then takes the old one's name, the old one goes
-            _commit(path, final, "manifest.json", manifest, keep)
+        if opt.rank == 0:  # complete: it takes its name (an old one of this step's), rotation
+            _commit(tmp, path, "manifest.json", manifest, keep)
+
+
+def _partial(root, step, device):
+    """(root/step_<step>, where a save of it is written: the same + .partial). Every rank calls
+    it; rank 0 first removes what a save of this step killed midway left there."""
+    path = os.path.join(root, f"step_{step:08d}")
+    if dist.get_rank() == 0:
+        shutil.rmtree(path + ".partial", ignore_errors=True)
+    _first_error("", device)  # (a barrier)
+    return path, path + ".partial"
 
 
 def _not_saved(step, rank, file):
@@ -880,11 +879,7 @@ def save_dcp(state, root, step, info, device, keep=2):
     """dcp.save(state) as checkpoint `step` under root, in fsdp_demo.py's training: every rank
     calls it (a collective), and writes its own shards. info: what complete.json records."""
     import torch.distributed.checkpoint as dcp
-    path = os.path.join(root, f"step_{step:08d}")
-    tmp, rank = path + ".partial", dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
-    dist.barrier()
+    (path, tmp), rank = _partial(root, step, device), dist.get_rank()
     with _agreed(device, (OSError, RuntimeError, _dcp_error()), _not_saved(step, rank, tmp)):
         dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
         if rank == 0:
