@@ -170,14 +170,13 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
     parameter the optimizer has state for; `hyper` the param_groups without their params;
     `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
-    keys = ["master", *keys]
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
         for u in zero.units:
             lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
             values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
-                      for k in keys}  # padding 0
+                      for k in ["master", *keys]}  # padding 0
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                 if a < b:  # p has elements in this rank's range: fetch them by p's name
@@ -222,9 +221,7 @@ def check_checkpoint(zero, parts, written):
             if set(unit["state"]) not in (keys, set()):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
                                       f"{sorted(unit['state'])}, other parts have {sorted(keys)}")
-    if parts[0].get("optimizer") != type(zero.optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
-                              f", this run has {type(zero.optimizer).__name__}")
+    another_optimizer(parts[0].get("optimizer"), zero.optimizer)
 
 
 def another_model(here, there, kind="tensor"):
@@ -234,6 +231,14 @@ def another_model(here, there, kind="tensor"):
         if here.get(n) != there.get(n):
             raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
                                   f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
+
+
+def another_optimizer(written, optimizer):
+    """Raise CheckpointError unless `written`, the optimizer's class name that a checkpoint
+    records, is optimizer's."""
+    if written != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {written}, this run has "
+                              f"{type(optimizer).__name__}")
 
 
 def full_state_dict(zero):
@@ -263,13 +268,14 @@ def load_full_state_dict(zero, state):
     pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
     (floating or not) must fit the model; a tied parameter needs one of its names."""
     want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    source = {}  # the model's tensor -> (key, the state_dict's tensor), by its first key there
+    key_of = {}  # the model's tensor -> its first key in the state_dict (a tied one has two)
     for key, t in want.items():
         if key in state:
-            source.setdefault(t, (key, state[key]))
-    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in source),
+            key_of.setdefault(t, key)
+    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in key_of),
                    next((f"{key!r} is not in the model" for key in state if key not in want), None))
-    for t, (key, s) in source.items():
+    for t, key in key_of.items():
+        s = state[key]
         if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
                                 s.is_floating_point() != t.dtype.is_floating_point):
             problem = (f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} "
@@ -284,7 +290,7 @@ def load_full_state_dict(zero, state):
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
                 if a < b:  # p has elements in this rank's shard: read just those
-                    flat = source[p][1].reshape(-1)  # a view of the (mapped) file's tensor
+                    flat = state[key_of[p]].reshape(-1)  # a view of the (mapped) file's tensor
                     mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
@@ -293,8 +299,8 @@ def load_full_state_dict(zero, state):
                 zero.meter.sent("all_gather", u.master, u)
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
         for _, t in replicated(zero.model):
-            if t in source:
-                t.copy_(source[t][1])
+            if t in key_of:  # (a buffer that is not persistent is not in a state_dict)
+                t.copy_(state[key_of[t]])
     zero._gather_params()  # stages 1 and 2: the full parameters from every rank's shard
 
 
@@ -859,7 +865,8 @@ def is_dcp(path):
 
 def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
-    if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
+    if any(os.path.exists(os.path.join(path, f)) for f in ("manifest.json", ".metadata",
+                                                            DCP_MARKER)):
         return path
     found = latest_checkpoint(path)
     if found is None:
@@ -927,9 +934,7 @@ def check_dcp(model, optimizer, info, tensors, path):
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
                          if k.startswith("model.")})
-    if info["optimizer"] != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
-                              f"run has {type(optimizer).__name__}")
+    another_optimizer(info["optimizer"], optimizer)
     return keys
 
 
@@ -944,12 +949,10 @@ def load_dcp(zero, path):
         info, tensors = read_dcp(path)
         keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
         names = {p: n for n, p in zero.model.named_parameters()}
-        want = [f"model.{n}" for n, _ in replicated(zero.model)]
-        for u in zero.units:
-            for p in u.params:
-                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
-                    want += [f"model.{names[p]}",
-                             *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
+        mine = [names[p] for u in zero.units for p in u.params  # those this rank steps some of
+                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start]
+        want = [f"model.{n}" for n in [*mine, *(n for n, _ in replicated(zero.model))]]
+        want += [f"optimizer.state.{n}.{k}" for n in mine for k in keys[n]]
         loaded = {k: torch.empty_like(tensors[k], device="cpu") for k in want}
         with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
