@@ -113,19 +113,19 @@ def load_own_part(zero, state):
 def _gather_parts(zero, state, group, ranks):
     """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
     each one's own; None for the others."""
-    qs, parts = [part_index(r, zero.world, zero.N) for r in ranks], [None] * zero.world
-    for q in qs:  # frozen parameters and buffers: rank 0's own (load_parts reads part 0's), or None
-        parts[q] = dict(state, rank=q, units=[], replicated=state["replicated"] or None)
-    device = zero.units[0].flat.device
-    for unit in state["units"]:
-        gathered = {}
-        for key, t in [("master", unit["master"]), *unit["state"].items()]:
-            full = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
-            all_gather(full, t.to(device), group=group)
-            gathered[key] = full.cpu().view(len(ranks), -1)
-        for j, q in enumerate(qs):
-            parts[q]["units"].append({"master": gathered["master"][j], "state": {
-                k: v[j] for k, v in gathered.items() if k != "master"}})
+    device, parts = zero.units[0].flat.device, [None] * zero.world
+
+    def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
+        every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
+        all_gather(every, t.to(device), group=group)
+        return every.cpu().view(len(ranks), -1)
+    units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
+             for u in state["units"]]
+    for j, q in enumerate(part_index(r, zero.world, zero.N) for r in ranks):
+        # frozen parameters and buffers: rank 0's own (load_parts reads part 0's), or None
+        parts[q] = dict(state, rank=q, replicated=state["replicated"] or None, units=[
+            {"master": u["master"][j], "state": {k: t[j] for k, t in u["state"].items()}}
+            for u in units])
     return parts
 
 
@@ -451,10 +451,10 @@ def _first_error(error, device):
 
 
 @contextlib.contextmanager
-def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=None):
+def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None):
     """Run the block on every rank, then agree: every rank's error (a UsageError's message, or
     say(e) for an exception of the classes `catch`) goes to every rank (_first_error), and if
-    any rank had one, every rank runs undo() (if given) and raises kind(the first one). So all
+    any rank had one, every rank runs undo() and raises kind(the first one). So all
     raise together: none is left waiting alone in a collective, and none goes on, to change
     anything or believing that what the block did is done, where another rank failed."""
     error = ""
@@ -466,8 +466,7 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=None):
         error = say(e)
     error = _first_error(error[:500], device)
     if error:
-        if undo is not None:
-            undo()
+        undo()
         raise kind(error) from None
 
 
