@@ -153,13 +153,10 @@ def _reader(parts, written):
     def read(name, lo, hi, key):
         i, o, S = where[name]
         lo, hi, out = o + lo, o + hi, []
-        while lo < hi:
-            q = lo // S  # the rank that wrote element lo
-            end = min(hi, (q + 1) * S)
+        for q in range(lo // S, -(-hi // S)):  # the ranks that wrote elements [lo, hi)
             unit = parts[q]["units"][i]
             t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
-            out.append(t[lo - q * S:end - q * S])
-            lo = end
+            out.append(t[max(lo - q * S, 0):hi - q * S])
         return out[0] if len(out) == 1 else torch.cat(out)
     return read
 
@@ -864,8 +861,7 @@ def is_dcp(path):
 
 def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
-    if any(os.path.exists(os.path.join(path, f)) for f in ("manifest.json", ".metadata",
-                                                            DCP_MARKER)):
+    if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     found = latest_checkpoint(path)
     if found is None:
