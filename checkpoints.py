@@ -17,7 +17,7 @@ zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpo
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
 --init-from.
 """
-import contextlib, functools, hashlib, itertools, json, math, os, shutil, sys, warnings
+import contextlib, functools, hashlib, itertools, json, math, os, shutil, stat, sys, warnings
 
 import torch
 import torch.distributed as dist
@@ -499,8 +499,8 @@ def ckpt_dir_lock(root, device):
     died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
     the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
     import fcntl
-    fd, what = None, f"checkpoint directory {root}"
-    try:
+    what = f"checkpoint directory {root}"
+    with contextlib.ExitStack() as held:
         with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
             if os.path.exists(root) and not os.path.isdir(root):
                 raise UsageError(f"{what}: exists and is not a directory")
@@ -509,6 +509,7 @@ def ckpt_dir_lock(root, device):
                 raise UsageError(f"{what}: not writable")
             if dist.get_rank() == 0:
                 fd = os.open(root, os.O_RDONLY)
+                held.callback(os.close, fd)  # the lock goes with the last descriptor of its file
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -518,9 +519,6 @@ def ckpt_dir_lock(root, device):
                     print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
                           "other job uses it", file=sys.stderr, flush=True)
         yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # the lock goes with the last descriptor of its open file
 
 
 def _remove_quietly(path):
@@ -676,7 +674,6 @@ def _part_problem(part, r, manifest):
 
 def _regular_size(file, missing):
     """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
-    import stat
     try:
         st = os.stat(file)
     except OSError as e:
@@ -1051,9 +1048,9 @@ def read_state_dict(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # (torch's message, its lines as one)
         raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
-                         f"({type(e).__name__}: {' '.join(lines)[:200]})") from None
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
     return state
