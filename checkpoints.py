@@ -17,7 +17,7 @@ zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpo
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
 --init-from.
 """
-import contextlib, functools, hashlib, itertools, json, math, os, shutil, sys, warnings
+import contextlib, functools, hashlib, itertools, json, math, os, shutil, stat, sys, warnings
 
 import torch
 import torch.distributed as dist
@@ -70,20 +70,22 @@ def checkpoint_part(zero):
         S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
         lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
         # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
-
-        def mine(pieces, lo=lo, S=S):  # [S], a new tensor: only the pieces' parts in part q
-            starts = itertools.accumulate((t.numel() for t in pieces), initial=0)
-            pieces = [t[max(lo - a, 0):max(lo + S - a, 0)] for t, a in zip(pieces, starts)]
-            return _wide(torch.cat([u.master[:0].cpu()] + [t.detach().cpu() for t in pieces
-                                                            if t.numel()]))
-        units.append({"master": mine(u.pieces), "state": {k: mine(
-            [state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces])
-            for k in keys}})
+        units.append({"master": _slice_of(u.pieces, lo, S), "state": {k: _slice_of(
+            [state[piece].get(k, torch.zeros_like(piece, device="cpu")) for piece in u.pieces],
+            lo, S) for k in keys}})
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
     return {"rank": q, "units": units, "param_scalars": scalars, "hyper": hyper,
             "optimizer": type(zero.optimizer).__name__, "layout": layout(zero),
             "replicated": {n: t.detach().to("cpu", copy=True) for n, t in replicated(zero.model)}
             if zero.rank == 0 else {}}
+
+
+def _slice_of(tensors, lo, S):
+    """[S] on the CPU, a new tensor: elements [lo, lo + S) of `tensors` end to end (a unit's
+    pieces, or their optimizer state), each sliced before it is copied."""
+    starts = itertools.accumulate((t.numel() for t in tensors), initial=0)
+    return _wide(torch.cat([t.detach()[max(lo - a, 0):max(lo + S - a, 0)].cpu()
+                            for t, a in zip(tensors, starts)]))
 
 
 def load_own_part(zero, state):
@@ -111,19 +113,19 @@ def load_own_part(zero, state):
 def _gather_parts(zero, state, group, ranks):
     """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
     each one's own; None for the others."""
-    qs, parts = [part_index(r, zero.world, zero.N) for r in ranks], [None] * zero.world
-    for q in qs:  # frozen parameters and buffers: rank 0's own (load_parts reads part 0's), or None
-        parts[q] = dict(state, rank=q, units=[], replicated=state["replicated"] or None)
-    device = zero.units[0].flat.device
-    for unit in state["units"]:
-        gathered = {}
-        for key, t in [("master", unit["master"]), *unit["state"].items()]:
-            full = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
-            all_gather(full, t.to(device), group=group)
-            gathered[key] = full.cpu().view(len(ranks), -1)
-        for j, q in enumerate(qs):
-            parts[q]["units"].append({"master": gathered["master"][j], "state": {
-                k: v[j] for k, v in gathered.items() if k != "master"}})
+    device, parts = zero.units[0].flat.device, [None] * zero.world
+
+    def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
+        every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
+        all_gather(every, t.to(device), group=group)
+        return every.cpu().view(len(ranks), -1)
+    units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
+             for u in state["units"]]
+    for j, q in enumerate(part_index(r, zero.world, zero.N) for r in ranks):
+        # frozen parameters and buffers: rank 0's own (load_parts reads part 0's), or None
+        parts[q] = dict(state, rank=q, replicated=state["replicated"] or None, units=[
+            {"master": u["master"][j], "state": {k: t[j] for k, t in u["state"].items()}}
+            for u in units])
     return parts
 
 
@@ -151,13 +153,10 @@ def _reader(parts, written):
     def read(name, lo, hi, key):
         i, o, S = where[name]
         lo, hi, out = o + lo, o + hi, []
-        while lo < hi:
-            q = lo // S  # the rank that wrote element lo
-            end = min(hi, (q + 1) * S)
+        for q in range(lo // S, -(-hi // S)):  # the ranks that wrote elements [lo, hi)
             unit = parts[q]["units"][i]
             t = unit["master"] if key == "master" else unit["state"].get(key, torch.zeros(S))
-            out.append(t[lo - q * S:end - q * S])
-            lo = end
+            out.append(t[max(lo - q * S, 0):hi - q * S])
         return out[0] if len(out) == 1 else torch.cat(out)
     return read
 
@@ -168,14 +167,13 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
     parameter the optimizer has state for; `hyper` the param_groups without their params;
     `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
-    keys = ["master", *keys]
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
         for u in zero.units:
             lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
             values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
-                      for k in keys}  # padding 0
+                      for k in ["master", *keys]}  # padding 0
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                 if a < b:  # p has elements in this rank's range: fetch them by p's name
@@ -204,15 +202,6 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     zero._gather_params()  # rebuild the full parameters from the shards (stages 1 and 2)
 
 
-def _param_scalars(part, written):
-    """{parameter name: optimizer scalars} of a part. Parts written before parameters could
-    skip steps hold one set of scalars, which every parameter had (if the optimizer had state)."""
-    if "param_scalars" in part:
-        return part["param_scalars"]
-    stateful = part["scalars"] or any(unit["state"] for unit in part["units"])
-    return {n: part["scalars"] for unit in written["units"] for n, _ in unit} if stateful else {}
-
-
 def check_checkpoint(zero, parts, written):
     """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
     checked by read_checkpoint) fits this model and optimizer."""
@@ -225,16 +214,11 @@ def check_checkpoint(zero, parts, written):
     # a rank whose parameters never got a gradient has no state to write).
     keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
     for r, part in enumerate(parts):
-        if not all(isinstance(s, dict) for s in _param_scalars(part, written).values()):
-            raise CheckpointError(f"checkpoint part of rank {r}: its optimizer scalars are not "
-                                  "a dictionary per parameter")
         for i, unit in enumerate(part["units"]):
             if set(unit["state"]) not in (keys, set()):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
                                       f"{sorted(unit['state'])}, other parts have {sorted(keys)}")
-    if parts[0].get("optimizer") != type(zero.optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {parts[0].get('optimizer')}"
-                              f", this run has {type(zero.optimizer).__name__}")
+    another_optimizer(parts[0].get("optimizer"), zero.optimizer)
 
 
 def another_model(here, there, kind="tensor"):
@@ -244,6 +228,14 @@ def another_model(here, there, kind="tensor"):
         if here.get(n) != there.get(n):
             raise CheckpointError(f"checkpoint is for another model: {kind} {n!r} is "
                                   f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
+
+
+def another_optimizer(written, optimizer):
+    """Raise CheckpointError unless `written`, the optimizer's class name that a checkpoint
+    records, is optimizer's."""
+    if written != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint was written with optimizer {written}, this run has "
+                              f"{type(optimizer).__name__}")
 
 
 def full_state_dict(zero):
@@ -273,13 +265,14 @@ def load_full_state_dict(zero, state):
     pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
     (floating or not) must fit the model; a tied parameter needs one of its names."""
     want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    source = {}  # the model's tensor -> (key, the state_dict's tensor), by its first key there
+    key_of = {}  # the model's tensor -> its first key in the state_dict (a tied one has two)
     for key, t in want.items():
         if key in state:
-            source.setdefault(t, (key, state[key]))
-    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in source),
+            key_of.setdefault(t, key)
+    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in key_of),
                    next((f"{key!r} is not in the model" for key in state if key not in want), None))
-    for t, (key, s) in source.items():
+    for t, key in key_of.items():
+        s = state[key]
         if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
                                 s.is_floating_point() != t.dtype.is_floating_point):
             problem = (f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} "
@@ -294,7 +287,7 @@ def load_full_state_dict(zero, state):
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
                 if a < b:  # p has elements in this rank's shard: read just those
-                    flat = source[p][1].reshape(-1)  # a view of the (mapped) file's tensor
+                    flat = state[key_of[p]].reshape(-1)  # a view of the (mapped) file's tensor
                     mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
@@ -303,8 +296,8 @@ def load_full_state_dict(zero, state):
                 zero.meter.sent("all_gather", u.master, u)
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
         for _, t in replicated(zero.model):
-            if t in source:
-                t.copy_(source[t][1])
+            if t in key_of:  # (a buffer that is not persistent is not in a state_dict)
+                t.copy_(state[key_of[t]])
     zero._gather_params()  # stages 1 and 2: the full parameters from every rank's shard
 
 
@@ -315,10 +308,11 @@ def load_full_state_dict(zero, state):
 #   DIR/step_00000010/manifest.json                     rank 0, last: stage, N, Ψ, names and
 #                                                       shapes, every file's size and sha256
 #
-# A checkpoint is complete when its manifest exists. Every file is written under a temporary
-# name, fsync'ed and renamed (a rename is atomic), and the manifest only after every rank's file
-# is on disk, so a job killed in the middle of a save leaves the previous checkpoint as it was
-# and an incomplete directory that loading skips. The newest `keep` complete ones are kept, and
+# A checkpoint is complete when its manifest exists. A save writes into step_00000010.partial,
+# every file fsync'ed, the manifest only after every rank's file is on disk, and then the
+# directory takes its name in one rename (_commit, as save_dcp does for DCP), so a job killed in
+# the middle of a save leaves the previous checkpoint as it was and a .partial directory that
+# loading skips (and rotation deletes). The newest `keep` complete ones are kept, and
 # always the one just written. Only the names save_checkpoint writes (step_ and the step in 8 or
 # more digits) are checkpoints: anything else in DIR is never read, nor deleted.
 #
@@ -356,28 +350,28 @@ def _exchange(a, b):
     if hasattr(libc, "renameat2"):
         AT_FDCWD, RENAME_EXCHANGE = -100, 2
         if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-            return _fsync_dir(os.path.dirname(b))
+            return
         if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
     os.rename(b, a + ".old")
     os.rename(a, b)
     os.rename(a + ".old", a)
-    _fsync_dir(os.path.dirname(b))
 
 
 def _commit(tmp, path, marker, info, keep=None):
     """Rank 0, once every rank's files are in directory tmp: the marker that makes it a complete
     checkpoint (info as JSON: zero.py's manifest.json, DCP's complete.json), then tmp takes the
-    name path (if not its name already), then _rotate(keep) if keep is not None. A checkpoint of
-    that step there already: the names swapped in one step (_exchange), and the old one, now at
-    tmp, goes. A rotation that fails leaves more checkpoints, never fewer: not an error."""
+    name path, then _rotate(keep) if keep is not None. A checkpoint of that step there already:
+    the names swapped in one step (_exchange), so that the old one stays whole until the new one
+    is complete, and the old one, now at tmp, goes. A rotation that fails leaves more
+    checkpoints, never fewer: not an error."""
     _atomic_write(os.path.join(tmp, marker), lambda f: f.write(_json_lines(info).encode()))
-    if tmp != path and os.path.exists(path):
+    if os.path.exists(path):
         _exchange(tmp, path)
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif tmp != path:
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(tmp, ignore_errors=True)  # the old one, if it was swapped there
     if keep is not None:
         with contextlib.suppress(OSError, CheckpointError):
             _rotate(os.path.dirname(path), info["step"], keep)
@@ -412,10 +406,8 @@ def _json_lines(d):  # a key a line
 def _step_of(name):
     """The step of a checkpoint directory's name, step_00000010 -> 10; None for any other name
     (step_00000010.bak, step_, step_10, a file's name...)."""
-    digits = name[5:]
-    if name.startswith("step_") and digits.isdecimal() and name == f"step_{int(digits):08d}":
-        return int(digits)  # (a non-ASCII digit, which int() reads too, fails the name's test)
-    return None
+    digits = name[5:]  # (a non-ASCII digit, which int() reads too, fails the name's test)
+    return int(digits) if digits.isdecimal() and name == f"step_{int(digits):08d}" else None
 
 
 def _steps(root):
@@ -443,26 +435,23 @@ def choose_checkpoint(root, device):
     with _agreed(device):  # (rank 0's CheckpointError, on every rank: it cannot list root)
         if dist.get_rank() == 0:
             mine = max(_steps(root), default=-1)
-    choice = torch.tensor([mine], dtype=torch.int64, device=device)
-    dist.broadcast(choice, src=0)
-    step = choice.item()
+    step = _all_ranks([mine], device)[0][0]  # rank 0's, on every rank
     return None if step < 0 else os.path.join(root, f"step_{step:08d}")
 
 
 def _first_error(error, device):
     """Every rank's error message ("": none) to every rank, in one small all-gather, and the first
     of them, or "". What lets all ranks raise together: none is left waiting in a collective."""
-    text = error.encode()[:512]
-    rows = _all_ranks(list(text.ljust(512, b"\0")), device, dtype=torch.uint8)
-    errors = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
-    return next((e for e in errors if e), "")
+    rows = _all_ranks(list(error.encode()[:512].ljust(512, b"\0")), device, dtype=torch.uint8)
+    first = next((row for row in rows if any(row)), [])  # the first rank's that has one
+    return bytes(first).rstrip(b"\0").decode(errors="replace")
 
 
 @contextlib.contextmanager
-def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=None):
+def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None):
     """Run the block on every rank, then agree: every rank's error (a UsageError's message, or
     say(e) for an exception of the classes `catch`) goes to every rank (_first_error), and if
-    any rank had one, every rank runs undo() (if given) and raises kind(the first one). So all
+    any rank had one, every rank runs undo() and raises kind(the first one). So all
     raise together: none is left waiting alone in a collective, and none goes on, to change
     anything or believing that what the block did is done, where another rank failed."""
     error = ""
@@ -474,8 +463,7 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=None):
         error = say(e)
     error = _first_error(error[:500], device)
     if error:
-        if undo is not None:
-            undo()
+        undo()
         raise kind(error) from None
 
 
@@ -511,8 +499,8 @@ def ckpt_dir_lock(root, device):
     died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
     the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
     import fcntl
-    fd, what = None, f"checkpoint directory {root}"
-    try:
+    what = f"checkpoint directory {root}"
+    with contextlib.ExitStack() as held:
         with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
             if os.path.exists(root) and not os.path.isdir(root):
                 raise UsageError(f"{what}: exists and is not a directory")
@@ -521,6 +509,7 @@ def ckpt_dir_lock(root, device):
                 raise UsageError(f"{what}: not writable")
             if dist.get_rank() == 0:
                 fd = os.open(root, os.O_RDONLY)
+                held.callback(os.close, fd)  # the lock goes with the last descriptor of its file
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -530,9 +519,6 @@ def ckpt_dir_lock(root, device):
                     print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
                           "other job uses it", file=sys.stderr, flush=True)
         yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # the lock goes with the last descriptor of its open file
 
 
 def _remove_quietly(path):
@@ -544,17 +530,16 @@ def _rotate(root, step, keep):
     """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
     complete ones, but never the one just written (`step`, even if older), the temporary
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
-    directories of DCP saves killed midway (save_dcp: this one's is renamed by now)."""
+    directories of saves killed midway (_partial: this one's is renamed by now)."""
     found = sorted(_steps(root))
     if not found:
         return
-    kept = set(found[-keep:]) | {step}
     for name in os.listdir(root):
         s = _step_of(name)
         partial = name.endswith(".partial") and _step_of(name[:-len(".partial")]) is not None
-        if partial or s is not None and s < min(found[-keep:]) and s not in kept:
+        if partial or s is not None and s < min(found[-keep:]) and s != step:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    for s in kept:
+    for s in {*found[-keep:], step}:  # the ones kept
         path = os.path.join(root, f"step_{s:08d}")
         for name in filter(_is_temporary, os.listdir(path)):
             _remove_quietly(os.path.join(path, name))
@@ -564,49 +549,45 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
-    final = path = os.path.join(root, f"step_{step:08d}")
     device = opt.units[0].flat.device
-    # Overwriting a complete checkpoint of the same step: the new one is written whole beside it
-    # and then takes its name in one rename (_exchange), so that the old one stays whole until
-    # the new one is complete. (Every rank sees the same: no manifest is written before the
-    # all-gather below. Rank 0 clears what a killed overwrite may have left, then a barrier.)
-    if os.path.exists(os.path.join(final, "manifest.json")):
-        path = final + ".tmp0"  # (a temporary name: _is_temporary, never a step: _step_of)
-        if opt.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        _first_error("", device)
+    path, tmp = _partial(root, step, device)
     q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
-    name = os.path.join(path, f"rank_{q:05d}.pt")
+    name = os.path.join(tmp, f"rank_{q:05d}.pt")
 
-    def undo():  # if any rank failed: every rank removes what this save wrote
-        _remove_quietly(name)  # (a manifest that failed is never renamed into place)
+    def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
         if opt.rank == 0:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)  # if nothing else is left in it
+            shutil.rmtree(tmp, ignore_errors=True)
 
-    size, digest = 0, bytes(32)  # (torch.save reports some failed writes as RuntimeError)
+    # (torch.save reports some failed writes as RuntimeError)
     with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
-        os.makedirs(path, exist_ok=True)
-        _fsync_dir(root)  # the new directory's name is on disk before old checkpoints are deleted
+        os.makedirs(tmp, exist_ok=True)
         _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
         size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
     rows = _all_ranks([size, *digest], device)
-    files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [row[0], bytes(row[1:]).hex()]
-             for r, row in enumerate(rows)}
-    aliases = {id(p): n for n, p in opt.model.named_parameters()}  # tied: the first name
-    keys = {n: aliases[id(p)] for n, p in opt.model.named_parameters(remove_duplicate=False)
-            if p.requires_grad}
+    files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [n, bytes(sha256).hex()]
+             for r, (n, *sha256) in enumerate(rows)}
+    first = {id(p): n for n, p in opt.model.named_parameters()}  # a tied parameter's first name
+    keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
     manifest = {"format": FORMAT, "step": step, **layout(opt),
-                "optimizer": type(opt.optimizer).__name__,
-                "keys": [[k, keys.get(k, k)] for k in opt.model.state_dict(keep_vars=True)],
-                "files": files, "extra": extra or {}}
+                "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files,
+                "extra": extra or {}}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
-    manifest_path = os.path.join(path, "manifest.json")
+    manifest_path = os.path.join(tmp, "manifest.json")
     with _agreed(device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
-        if opt.rank == 0:  # complete; an overwrite then takes the old one's name, the old one goes
-            _commit(path, final, "manifest.json", manifest, keep)
+        if opt.rank == 0:  # complete: it takes its name (an old one of this step's), rotation
+            _commit(tmp, path, "manifest.json", manifest, keep)
+
+
+def _partial(root, step, device):
+    """(root/step_<step>, where a save of it is written: the same + .partial). Every rank calls
+    it; rank 0 first removes what a save of this step killed midway left there."""
+    path = os.path.join(root, f"step_{step:08d}")
+    if dist.get_rank() == 0:
+        shutil.rmtree(path + ".partial", ignore_errors=True)
+    _first_error("", device)  # (a barrier)
+    return path, path + ".partial"
 
 
 def _not_saved(step, rank, file):
@@ -680,6 +661,9 @@ def _part_problem(part, r, manifest):
         tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
         if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
             return f"unit {i}: not {size} elements of master weights and of each optimizer state"
+    scalars = part.get("param_scalars")
+    if not isinstance(scalars, dict) or not all(isinstance(s, dict) for s in scalars.values()):
+        return "its optimizer scalars are not a dictionary per parameter"
     replicated = part.get("replicated")
     if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
         return "'replicated' is not a dictionary of tensors"
@@ -690,7 +674,6 @@ def _part_problem(part, r, manifest):
 
 def _regular_size(file, missing):
     """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
-    import stat
     try:
         st = os.stat(file)
     except OSError as e:
@@ -790,7 +773,7 @@ def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's ex
 
 
 def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
-    return {n: s for part in parts for n, s in _param_scalars(part, manifest).items()}
+    return {n: s for part in parts for n, s in part["param_scalars"].items()}
 
 
 def consolidate(path, out, kind):
@@ -895,11 +878,7 @@ def save_dcp(state, root, step, info, device, keep=2):
     """dcp.save(state) as checkpoint `step` under root, in fsdp_demo.py's training: every rank
     calls it (a collective), and writes its own shards. info: what complete.json records."""
     import torch.distributed.checkpoint as dcp
-    path = os.path.join(root, f"step_{step:08d}")
-    tmp, rank = path + ".partial", dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a save of this step killed midway left
-    dist.barrier()
+    (path, tmp), rank = _partial(root, step, device), dist.get_rank()
     with _agreed(device, (OSError, RuntimeError, _dcp_error()), _not_saved(step, rank, tmp)):
         dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
         if rank == 0:
@@ -907,9 +886,9 @@ def save_dcp(state, root, step, info, device, keep=2):
 
 
 def read_dcp(path):
-    """complete.json, and {key: (shape, dtype)} of every tensor, of the DCP checkpoint in `path`,
-    checked: no marker, or a file that DCP's index names missing or short, is a torn checkpoint.
-    Reads the index only, no tensor."""
+    """complete.json, and {key: a meta tensor (its shape and dtype)} of every tensor, of the DCP
+    checkpoint in `path`, checked: no marker, or a file that DCP's index names missing or short,
+    is a torn checkpoint. Reads the index only, no tensor."""
     from torch.distributed.checkpoint import FileSystemReader
     info = _read_json(os.path.join(path, DCP_MARKER), "missing: the DCP checkpoint is torn (a "
                       "save killed midway?)", DCP_FORMAT, _marker_problem)
@@ -926,7 +905,7 @@ def read_dcp(path):
         if size < end:
             raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
                                   f"{end}: truncated, the checkpoint is torn")
-    tensors = {k: (list(v.size), v.properties.dtype)
+    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
                for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
     return info, tensors
 
@@ -945,10 +924,9 @@ def check_dcp(model, optimizer, info, tensors, path):
         raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
                               "needs it; start from weights with --init-from")
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
-    another_model(here, {k[6:]: s for k, (s, _) in tensors.items() if k.startswith("model.")})
-    if info["optimizer"] != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {info['optimizer']}, this "
-                              f"run has {type(optimizer).__name__}")
+    another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
+                         if k.startswith("model.")})
+    another_optimizer(info["optimizer"], optimizer)
     return keys
 
 
@@ -963,18 +941,16 @@ def load_dcp(zero, path):
         info, tensors = read_dcp(path)
         keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
         names = {p: n for n, p in zero.model.named_parameters()}
-        want = [f"model.{n}" for n, _ in replicated(zero.model)]
-        for u in zero.units:
-            for p in u.params:
-                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start:
-                    want += [f"model.{names[p]}",
-                             *(f"optimizer.state.{names[p]}.{k}" for k in keys[names[p]])]
-        loaded = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in want}
+        mine = [names[p] for u in zero.units for p in u.params  # those this rank steps some of
+                if u.offset[p] < u.stepped.stop and u.offset[p] + p.numel() > u.stepped.start]
+        want = [f"model.{n}" for n in [*mine, *(n for n, _ in replicated(zero.model))]]
+        want += [f"optimizer.state.{n}.{k}" for n in mine for k in keys[n]]
+        loaded = {k: torch.empty_like(tensors[k], device="cpu") for k in want}
         with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
     per_element = {k for n, ks in keys.items() for k in ks
-                   if tensors[f"optimizer.state.{n}.{k}"][0] == tensors[f"model.{n}"][0]}
+                   if tensors[f"optimizer.state.{n}.{k}"].shape == tensors[f"model.{n}"].shape}
     # Adam's step count: a tensor of shape [] per parameter
     scalars = {n: {k: loaded[f"optimizer.state.{n}.{k}"] for k in ks if k not in per_element}
                for n, ks in keys.items() if f"model.{n}" in loaded and ks}
@@ -1072,9 +1048,9 @@ def read_state_dict(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # (torch's message, its lines as one)
         raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
-                         f"({type(e).__name__}: {' '.join(lines)[:200]})") from None
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
     return state
