@@ -53,12 +53,12 @@ def memory_size(text):
     return int(size)
 
 
-
-def _status(field, *more):  # bytes, from this process's /proc/self/status (Linux); with more
-    with open("/proc/self/status") as f:  # fields than one, {field: bytes} read at one moment
-        got = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-               if k in (field, *more)}
-    return got if more else got[field]
+def _sizes(path="/proc/self/status"):
+    """{field: bytes} of the sizes a /proc file lists in kB (Linux), read at one moment: this
+    process's (VmData, VmSize, VmPeak...) or, from /proc/meminfo, the machine's (MemAvailable)."""
+    with open(path) as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if v.strip().endswith(" kB")}
 
 
 def limit_memory(size, device):
@@ -83,45 +83,42 @@ def limit_memory(size, device):
     # one malloc arena for all threads: a thread's new arena maps 64 MB of address space for a
     # moment, which hides the data size's peak in the address space's (Watch.peak). The price:
     # threads that allocate small objects at once wait for each other.
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # (a C library without mallopt)
         ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
     try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        new = _status("VmData") + size
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        new = _sizes()["VmData"] + size
         if hard != resource.RLIM_INFINITY:
             new = min(new, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM, the peak resident size, starts again from here
-        return _status("VmRSS")
-    except (OSError, ValueError, StopIteration) as e:
+        return _sizes()["VmRSS"]
+    except (OSError, ValueError) as e:
         raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
             from None
 
 
 class Watch(Progress):
     """zero.Progress, and under --max-memory on CPU the data size (VmData: what RLIMIT_DATA
-    counts) at each of its moments: the largest seen (data), and as each block's forward starts
-    in the last forward (forward): from one block to the next it grows by what a block keeps for
-    backward (per_block)."""
+    counts) at each of its moments, from start() on (train() calls it as it sets the limit):
+    the largest seen (data), and as each block's forward starts in the last forward (forward):
+    from one block to the next it grows by what a block keeps for backward (per_block)."""
 
     def start(self):  # what peak() starts from: the data size now, and the address space
-        self.vm = _status("VmPeak", "VmSize", "VmData")
+        self.vm = _sizes()
         self.data = self.data0 = self.now = self.vm["VmData"]
         self.forward = []
 
     def note(self, what):
         super().note(what)
-        if hasattr(self, "data"):
-            self.now = _status("VmData")
-            self.data = max(self.data, self.now)
+        self.now = _sizes()["VmData"]
+        self.data = max(self.data, self.now)
 
     def block_forward(self, name):
         super().block_forward(name)
-        if hasattr(self, "data") and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             if name == "blocks.0":  # a new forward
                 self.forward = []
             self.forward.append(self.now)
@@ -132,11 +129,11 @@ class Watch(Progress):
         for backward; at stage 3 each sample also holds the block's unit and the one prefetched,
         the same from block to block), on average. 0 where unknown: not under --max-memory on
         CPU (on CUDA the search then takes the excess as flat, from the trials that fitted)."""
-        f = getattr(self, "forward", [])
+        f = self.forward
         return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
 
     def used(self):  # the most this rank allocated above its runtime: the peak, less the start
-        return self.peak() - self.data0 if hasattr(self, "data") else -1
+        return self.peak() - self.data0
 
     def peak(self):
         """The most data this rank had since the limit was set. Linux keeps no peak of it, but
@@ -149,10 +146,9 @@ class Watch(Progress):
         put a run that fitted at 199.4 MB, and the next block out of memory. Where it cannot be
         used (the address space did not grow past its peak from before the limit, or what is
         not data changed), what was sampled."""
-        vm, before = _status("VmPeak", "VmSize", "VmData"), self.vm
-        if vm["VmPeak"] > before["VmPeak"] and \
-                vm["VmSize"] - vm["VmData"] == before["VmSize"] - before["VmData"]:
-            return max(self.data, vm["VmPeak"] - (vm["VmSize"] - vm["VmData"]))
+        vm, not_data = _sizes(), lambda vm: vm["VmSize"] - vm["VmData"]  # noqa: E731
+        if vm["VmPeak"] > self.vm["VmPeak"] and not_data(vm) == not_data(self.vm):
+            return max(self.data, vm["VmPeak"] - not_data(vm))
         return self.data
 
 
@@ -181,9 +177,7 @@ def largest_model(args):
     pb, gb, ob = bytes_per_parameter(args)
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
     if not cuda:  # the trials run on CPU tensors, as choose_device would put them
-        with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
-            free = next(int(line.split()[1]) * 1024 for line in f
-                        if line.startswith("MemAvailable:"))
+        free = _sizes("/proc/meminfo")["MemAvailable"]  # the N ranks share this machine's memory
         if N * args.max_memory > free:
             raise UsageError(f"--largest-model: {N} ranks x --max-memory "
                              f"{_si(args.max_memory)}B is more than this machine's available "
