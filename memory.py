@@ -16,8 +16,9 @@ What it uses of zero.py: train() and its Progress, the Meter's records (meter.ti
 formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
 check_args). zero.py imports this file at the flags that need it.
 """
-import argparse, contextlib, os, signal, time
+import argparse, bisect, contextlib, os, signal, socket, sys, time
 from collections import namedtuple
+from multiprocessing import connection, get_context
 
 import torch
 import torch.distributed as dist
@@ -167,14 +168,24 @@ def check_largest_model_args(args):
                          "more: --world-size 2 at least")
 
 
+def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device (no memory)
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
+                                          args.n_head).parameters())
+
+
+def _formula(args, stage, psi):  # the model state per rank by the paper's formula, in bytes
+    return sum(memory_formula(stage, psi, args.world_size, *bytes_per_parameter(args),
+                              args.shard_size).values())
+
+
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
     trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
     Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
     that trial only. The search starts where the formula puts the wall and brackets it:
     wall_guess() says where, from what the trials that fitted measured."""
-    N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
-    pb, gb, ob = bytes_per_parameter(args)
+    N, rows, walls, lo, t0, trials = args.world_size, [], [], 0, time.time(), 0
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
     if not cuda:  # the trials run on CPU tensors, as choose_device would put them
         free = _sizes("/proc/meminfo")["MemAvailable"]  # the N ranks share this machine's memory
@@ -183,36 +194,32 @@ def largest_model(args):
                              f"{_si(args.max_memory)}B is more than this machine's available "
                              f"memory ({_si(free)}B): the kernel would stop the trials, not the "
                              "limit")
-    with torch.device("meta"):  # Ψ grows by one block's parameters per block
-        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
-                                               args.n_head).parameters()) for n in (1, 2))
-    psi = lambda layers: one + (layers - 1) * (two - one)  # noqa: E731
-    formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
-        stage, psi(layers), N, pb, gb, ob, args.shard_size if stage else None).values())
-    # Mixed precision: step()'s fp32 copy of the gradients stepped (unit.step_grad), model state
-    # that grows with the model as the formula's does; the search counts it with the formula.
-    step_copy = lambda stage, layers: 4 * psi(layers) / (  # noqa: E731
-        1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
-    walls = []  # each stage's largest trial that fitted: a Fit
+    one, two = _psi(args, 1), _psi(args, 2)  # Ψ grows by one block's parameters per block
+
+    def model_state(stage, layers):
+        """The formula's, and in mixed precision step()'s fp32 copy of the gradients stepped
+        (unit.step_grad): model state that grows with the model as the formula's does."""
+        psi = one + (layers - 1) * (two - one)
+        copy = 4 * psi / (1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
+        return _formula(args, stage, psi) + copy
+    # rows: the table's; walls: each stage's largest trial that fitted (a Fit)
     for stage in range(4):
         tried, fitted = {}, []
 
         def fits(layers):
             if layers not in tried:
                 tried[layers] = res = _trial(args, stage, layers)
-                count[0] += 1
                 print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
                       (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
                        else res["error"].split(" (--max-memory")[0]), flush=True)
                 if res["ok"]:
-                    f = formula(stage, layers) + step_copy(stage, layers)
-                    fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
-                                      res["per_block"]))
+                    state = model_state(stage, layers)
+                    fitted.append(Fit(layers, res["state"] + res["rest"] - state,
+                                      res["state"] - state, res["per_block"]))
             return tried[layers]["ok"]
         hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
         while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
-            guess = wall_guess(fitted, walls, lambda n: formula(stage, n) + step_copy(stage, n),
-                               args.max_memory)
+            guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
             if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
                 layers, up = lo + 2 ** up, up + 1
             elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
@@ -225,10 +232,11 @@ def largest_model(args):
                 break
             if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
                 lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
-        rows.append((stage, tried.get(lo), tried.get(hi)))
+        rows.append((stage, tried.get(lo), tried.get(hi)))  # None: not tried at this stage
         walls += [max(fitted)] if fitted else []
+        trials += len(tried)
     print_memory_wall(args, rows)
-    print(f"{count[0]} trials in {time.time() - t0:.0f} s")
+    print(f"{trials} trials in {time.time() - t0:.0f} s")
     if not walls:
         raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
                           f"within --max-memory {_si(args.max_memory)}B at any stage")
@@ -236,9 +244,7 @@ def largest_model(args):
 
 @contextlib.contextmanager
 def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
-    def terminated(signum, frame):
-        raise SystemExit(128 + signum)
-    old = signal.signal(signal.SIGTERM, terminated)
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         yield
     finally:
@@ -249,6 +255,7 @@ def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (
 # it held (excess) and the model state alone (transient: buffers the formula does not count),
 # and what one more block adds to the rest (per_block: activations).
 Fit = namedtuple("Fit", "layers excess transient per_block")
+MAX_LAYERS = 4096  # --largest-model stops doubling here
 
 
 def wall_guess(fitted, walls, formula, limit):
@@ -273,33 +280,23 @@ def wall_guess(fitted, walls, formula, limit):
     else:
         excess, limit = (lambda n: 0), limit / 2  # noqa: E731
     need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
-    lo, hi = 0, MAX_LAYERS + 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-    return max(lo, 1)
-
-
-MAX_LAYERS = 4096  # --largest-model stops doubling here
+    fitting = bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need)  # 0, 1... that fit
+    return max(fitting - 1, 1)
 
 
 def _trial(args, stage, layers):
     """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
     Returns what rank 0 measured, or the first error a rank reported."""
-    import multiprocessing as mp
-    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2",
-            "--d-model", str(args.d_model), "--n-head", str(args.n_head),
-            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-            "--max-memory", str(args.max_memory), "--timeout", str(args.timeout),
-            "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
-        (["--shard-size", str(args.shard_size)] if args.shard_size and stage else []) + \
-        (["--backend", args.backend] if args.backend else []) + \
-        (["--device", args.device] if args.device else []) + \
-        (["--data", args.data] if args.data else [])
-    with torch.device("meta"):
-        psi = sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
-                                         args.n_head).parameters())
-    ctx, port = mp.get_context("spawn"), _free_port()
+    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2"] + \
+        ["--bf16"] * args.bf16
+    for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
+                 "backend", "device", "data", "shard_size"):  # the rest as given, or by default
+        value = getattr(args, name)
+        if value is not None and (stage or name != "shard_size"):  # (stage 0 shards nothing)
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
+        port = s.getsockname()[1]
+    ctx = get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
     procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
              for r, (_, send) in enumerate(pipes)]
@@ -311,25 +308,23 @@ def _trial(args, stage, layers):
         for p in procs:
             p.kill()
             p.join()
-    failed = [res for r, res in sorted(results.items()) if not res["ok"]]
-    oom = [res for res in failed if "out of memory" in res["error"]]
+    failed = [results[r] for r in sorted(results) if not results[r]["ok"]]
     if not failed and len(results) < args.world_size:
         failed = [{"ok": False, "error": "no answer before the deadline"}]
-    out = (oom or failed or [results[0]])[0]
+    oom = [res for res in failed if "out of memory" in res["error"]]
     if failed and not oom:
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
                          f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
-    return {**out, "psi": psi, "layers": layers}
+    return {**(oom or [results[0]])[0], "psi": _psi(args, layers), "layers": layers}
 
 
 def _collect(pipes, procs, deadline):
     """{rank: its report} from the trial's pipes, until every rank has reported, one has run out
     of memory (its trial is over: the others only wait for it) or the deadline passes. Several
     ranks may report at once (wait() returns all that are ready): every one is read."""
-    from multiprocessing.connection import wait
     results, waiting, over = {}, {recv: r for r, (recv, _) in enumerate(pipes)}, False
     while waiting and not over and time.time() < deadline:
-        for recv in wait(list(waiting), timeout=1):
+        for recv in connection.wait(list(waiting), timeout=1):
             r = waiting.pop(recv)
             try:
                 results[r] = recv.recv()
@@ -338,13 +333,6 @@ def _collect(pipes, procs, deadline):
                                                     f"{procs[r].exitcode})"}
             over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
     return results
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trial_rank(rank, world, port, argv, send):
@@ -356,24 +344,21 @@ def _trial_rank(rank, world, port, argv, send):
     os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
     os.dup2(devnull, 2)
     try:
-        args = check_args(training_parser("").parse_args(argv))
-        res = train(args, quiet=True)
+        res = train(check_args(training_parser("").parse_args(argv)), quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
                    "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
     except OutOfMemory as e:
         send.send({"ok": False, "error": str(e)})
     except BaseException as e:  # anything else: the trial's one line
-        text = str(e).strip().splitlines()
-        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: "
-                                         f"{text[0][:200] if text else ''}"})
+        first = (str(e).strip().splitlines() or [""])[0]  # its first line
+        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: {first[:200]}"})
     os._exit(0)
 
 
 def print_memory_wall(args, rows):
-    N = args.world_size
-    G = args.shard_size or N
-    pb, gb, ob = bytes_per_parameter(args)
-    formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
+    """The table. rows: (stage, its largest trial that fitted, the one that did not), each
+    None where there is none."""
+    N, G = args.world_size, args.shard_size or args.world_size
     print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
           f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
           + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
@@ -381,16 +366,15 @@ def print_memory_wall(args, rows):
           + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
     print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
           f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
-    best = {}
+
+    def columns(stage, res):  # a trial's blocks, Ψ and formula
+        return f"{res['layers']:>6} {res['psi']:>12,} {_si(_formula(args, stage, res['psi'])):>8}B"
     for stage, ok, no in rows:
-        left = (f"{ok['layers']:>6} {ok['psi']:>12,} {_si(formula(stage, ok['psi'])):>8}B "
-                f"{_si(ok['state']):>8}B {_si(ok['rest']):>7}B") if ok and ok["ok"] else \
+        left = f"{columns(stage, ok)} {_si(ok['state']):>8}B {_si(ok['rest']):>7}B" if ok else \
             f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
-        right = (f"{no['layers']:>6} {no['psi']:>12,} {_si(formula(stage, no['psi'])):>8}B"
-                 if no and not no["ok"] else f"{'-':>6}")
+        right = columns(stage, no) if no else f"{'-':>6}"
         print(f"{stage:<6}{left} | {right}")
-        if ok and ok["ok"]:
-            best[stage] = ok
+    best = {stage: ok for stage, ok, _ in rows if ok}
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
           "measured: the most model state a rank held (zero.py's own count); rest: the most a "
@@ -401,7 +385,6 @@ def print_memory_wall(args, rows):
     if 0 in best and 3 in best:
         print(f"stage 3 trains {best[3]['psi'] / best[0]['psi']:.1f}x the parameters of stage 0 "
               "on the same ranks")
-
 
 
 # ----------------------------------------------------------------------------------------------
