@@ -18,6 +18,8 @@ check_args). zero.py imports this file at the flags that need it.
 """
 import argparse, bisect, contextlib, os, signal, socket, sys, time
 from collections import namedtuple
+from html import escape
+from itertools import accumulate
 from multiprocessing import connection, get_context
 
 import torch
@@ -400,10 +402,22 @@ CHARS = {"optimizer": "░", "params": "█", "grads": "▒"}
 
 
 class Timeline(list):
-    """The moments of one step, as zero.py's Meter sees them: Meter.event calls record()."""
+    """The moments of one step, as zero.py's Meter sees them (Meter.event calls record()), each
+    {"event": what happened, params, grads, optimizer: bytes this rank holds after it (with what
+    is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
 
     def record(self, zero, what, unit):
-        self.append(timeline_entry(zero, what, unit))
+        i = None if unit is None else zero.units.index(unit)
+        reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
+        label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
+                 "reduction launched": f"{reduction} of unit {i} launched",
+                 "reduction landed": f"{reduction} of unit {i} landed",
+                 "gradient buffer": f"gradient buffer of unit {i} made",
+                 "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
+                 "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
+        device = zero.units[0].flat.device
+        cuda = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        self.append({"event": label, **{k: zero.meter.now[k] for k in STACK}, "cuda": cuda})
 
 
 def start_timeline(zero):
@@ -418,38 +432,30 @@ def stop_timeline(zero):
     return timeline
 
 
-def timeline_entry(zero, what, unit):
-    """{"event": what happened, params, grads, optimizer: bytes this rank holds after it (with
-    what is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
-    i = None if unit is None else zero.units.index(unit)
-    reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
-    label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
-             "reduction launched": f"{reduction} of unit {i} launched",
-             "reduction landed": f"{reduction} of unit {i} landed",
-             "gradient buffer": f"gradient buffer of unit {i} made",
-             "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
-             "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
-    device = zero.units[0].flat.device
-    return {"event": label, **{k: zero.meter.now[k] for k in STACK},
-            "cuda": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
+# What one run's picture needs: the events of its recorded step (a Timeline), and of each kind
+# the formula's bytes per rank and its symbol (12Ψ/N). groups: ", G = 2" under hybrid sharding.
+Panel = namedtuple("Panel", "stage step world psi groups dtype events formula symbols")
 
 
 def timeline_panel(res, args):
-    """What one run's picture needs: its events and the formula's level of each kind."""
     pb, gb, ob = bytes_per_parameter(args)
-    s, G = res["stage"], args.shard_size or res["world"]
-    n = "N" if G == res["world"] else "G"  # hybrid sharding: what is sharded is 1/G
-    return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
-            "groups": f", G = {G}" if G < res["world"] else "",
-            "events": res["timeline"], "dtype": "bf16 mixed precision" if args.bf16 else "fp32",
-            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob, shard_size=G),
-            "symbols": {"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
-                        "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
-                        "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)}}
+    s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
+    n = "N" if G == N else "G"  # hybrid sharding: what is sharded is 1/G
+    return Panel(stage=s, step=args.steps, world=N, psi=res["psi"],
+                 groups=f", G = {G}" if G < N else "", events=res["timeline"],
+                 dtype="bf16 mixed precision" if args.bf16 else "fp32",
+                 formula=memory_formula(s, res["psi"], N, pb, gb, ob, shard_size=G),
+                 symbols={"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
+                          "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
+                          "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)})
 
 
 def _total(e):
     return sum(e[k] for k in STACK)
+
+
+def _edges(e):  # where each kind's band starts and ends, stacked: 0, optimizer, + params, + grads
+    return [0, *accumulate(e[k] for k in STACK)]
 
 
 def _peak(events):  # the first event after which the most is held
@@ -457,9 +463,8 @@ def _peak(events):  # the first event after which the most is held
 
 
 def _top(panels, cuda):  # the top of the byte axis all panels share
-    return max(max(sum(p["formula"].values()), _total(e), cuda and e["cuda"] or 0)
-               for p in panels for e in p["events"])
-
+    return max(max(sum(p.formula.values()), _total(e), cuda and e["cuda"] or 0)
+               for p in panels for e in p.events)
 
 
 def timeline_text(panels, width=100):
@@ -468,107 +473,103 @@ def timeline_text(panels, width=100):
     bar, top, out = width - 62, _top(panels, cuda=False), []
     col = lambda b: round(b * bar / top)  # noqa: E731
     for p in panels:
-        ev, formula, peak = p["events"], sum(p["formula"].values()), _peak(p["events"])
-        out += [f"stage {p['stage']}, {STAGE_NAMES[p['stage']].split(':')[0]}: model-state bytes "
-                f"of rank 0 after each event of step {p['step']} (N = {p['world']}{p['groups']})",
+        ev, formula, peak = p.events, sum(p.formula.values()), _peak(p.events)
+        c = max(col(formula), 1)  # the formula's total: a | in (or after) each bar
+        out += [f"stage {p.stage}, {STAGE_NAMES[p.stage].split(':')[0]}: model-state bytes "
+                f"of rank 0 after each event of step {p.step} (N = {p.world}{p.groups})",
                 f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
                 f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
                 f"  {'event':<34} {'params':>7} {'grads':>7} {'optim':>7}"]
         for j, e in enumerate(ev):
-            cum, row = 0, ""
-            for kind in STACK:
-                row += CHARS[kind] * (col(cum + e[kind]) - col(cum))
-                cum += e[kind]
-            c = max(col(formula), 1)  # the formula's total: a | in (or after) the bar
+            edge = _edges(e)
+            row = "".join(CHARS[k] * (col(b) - col(a)) for k, a, b in zip(STACK, edge, edge[1:]))
             row = row[:c - 1].ljust(c - 1) + "|" + row[c:]
             out.append(f"{'▶' if j == peak else ' '} {e['event'][:34]:<34} {_si(e['params']):>7} "
                        f"{_si(e['grads']):>7} {_si(e['optimizer']):>7} {row}")
         out.append(f"  ▶ peak {_si(_total(ev[peak]))}B at event {peak + 1} of {len(ev)}: "
                    f"{ev[peak]['event']}")
         if ev[0]["cuda"] is not None:
-            j = max(range(len(ev)), key=lambda j: ev[j]["cuda"])
+            most = max(ev, key=lambda e: e["cuda"])
             out.append(f"  torch.cuda.memory_allocated (activations too): most "
-                       f"{_si(ev[j]['cuda'])}B at {ev[j]['event']}")
+                       f"{_si(most['cuda'])}B at {most['event']}")
         out.append("")
     return "\n".join(out)
+
+
+def _tag(name, inner="", **attrs):
+    """One SVG element: attributes by keyword (class_ for class, _ for -), floats to 0.1."""
+    at = "".join(f' {k.strip("_").replace("_", "-")}="{round(v, 1) if isinstance(v, float) else v}"'
+                 for k, v in attrs.items())
+    return f"<{name}{at}>{inner}</{name}>" if inner else f"<{name}{at}/>"
 
 
 def timeline_svg(panels):
     """The panels side by side on one byte axis: per panel one band (a <path>) per kind, stacked,
     the formula's level of each kind (stacked the same way) dashed, the peak marked, and on
-    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event."""
-    from html import escape
+    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event. Each panel
+    is a group (<g>) moved right to its place: in it x counts from the panel's left edge."""
     W, H, GAP, L, T = 300, 240, 40, 70, 78  # a panel's width and height, gap, left, top margins
     top = _top(panels, cuda=True) * 1.08
     y = lambda b: T + H - H * b / top  # noqa: E731
-    tick = 1
-    while tick * 10 <= top / 4:
-        tick *= 10
-    tick *= next(m for m in (1, 2, 5, 10) if tick * m * 6 >= top)  # at most 6 ticks
+    # between two lines of the byte axis: the least 1, 2 or 5 x 10^e bytes, at most 6 of them
+    tick = min(m * 10**e for e in range(20) for m in (1, 2, 5) if m * 10**e * 6 >= top)
     p0, right = panels[0], L + len(panels) * (W + GAP)
-    title = (f'Model-state bytes of rank 0 after each event of one training step (N = '
-             f'{p0["world"]}, Ψ = {p0["psi"]:,}, {p0["dtype"]} AdamW)')
-    svg = [f'<text x="{L}" y="20" font-size="14">{title}</text>']
-    cuda = any(e["cuda"] is not None for p in panels for e in p["events"])
-    legend = [(f'<rect width="10" height="10" y="-9" fill="{COLORS[k]}"/>', k) for k in STACK[::-1]]
-    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-dasharray="4 2"/>',
-                "formula, stacked"), ('<circle cx="5" cy="-4" r="4" fill="red"/>', "peak")]
-    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-width="2"/>',
-                "torch.cuda.memory_allocated (activations included)")] * cuda
-    x = L
-    for mark, text in legend:
-        svg.append(f'<g transform="translate({x},44)">{mark}<text x="18">{text}</text></g>')
-        x += 30 + 7 * len(text)
-    width = max(right, x, L + 8 * len(title))
-    for k in range(int(top // tick) + 1):  # the byte axis, shared by every panel
-        svg.append(f'<line x1="{L}" x2="{right - GAP}" y1="{y(k * tick):.1f}" '
-                   f'y2="{y(k * tick):.1f}" stroke="#ddd"/><text x="{L - 5}" '
-                   f'y="{y(k * tick) + 4:.1f}" text-anchor="end">{_si(k * tick)}B</text>')
+    title = (f"Model-state bytes of rank 0 after each event of one training step (N = "
+             f"{p0.world}, Ψ = {p0.psi:,}, {p0.dtype} AdamW)")
+    cuda = any(e["cuda"] is not None for p in panels for e in p.events)
+    keys = [(COLORS[k], "■", k) for k in STACK[::-1]] + [("black", "╌╌", "formula, stacked"),
+                                                         ("red", "●", "peak")]
+    keys += [("black", "━━", "torch.cuda.memory_allocated (activations included)")] * cuda
+    # the legend: one line of text, a coloured mark before each key, em spaces between (SVG
+    # collapses plain spaces)
+    legend = "\u2003".join(f'<tspan fill="{color}">{mark}</tspan> {text}'
+                           for color, mark, text in keys)
+    svg = [_tag("text", title, x=L, y=20, font_size=14), _tag("text", legend, x=L, y=48)]
+    for b in range(0, int(top) + 1, tick):  # the byte axis, shared by every panel
+        svg += [_tag("line", x1=L, x2=right - GAP, y1=y(b), y2=y(b), stroke="#ddd"),
+                _tag("text", f"{_si(b)}B", x=L - 5, y=y(b) + 4, text_anchor="end")]
     for i, p in enumerate(panels):
-        ev, x0 = p["events"], L + i * (W + GAP)
-        dx = W / len(ev)
-        mid = [x0 + (j + 0.5) * dx for j in range(len(ev))]
-        low = [0] * len(ev)
-        for kind in STACK:  # a band: along its top edge, back along its bottom edge
-            high = [a + e[kind] for a, e in zip(low, ev)]
-            edge = [(x0 + (j + h) * dx, high[j]) for j in range(len(ev)) for h in (0, 1)]
-            edge += [(x0 + (j + h) * dx, low[j]) for j in reversed(range(len(ev))) for h in (1, 0)]
-            d = " L".join(f"{a:.1f},{y(b):.1f}" for a, b in edge)
-            svg.append(f'<path class="band {kind}" data-stage="{p["stage"]}" '
-                       f'fill="{COLORS[kind]}" d="M{d} Z"><title>{kind}</title></path>')
-            low = high
-        level = 0
-        for kind in STACK:  # labels right, left, right: they do not overlap where lines are close
-            level += p["formula"][kind]
-            at = f'x="{x0 + 2}"' if kind == "params" else f'x="{x0 + W - 2}" text-anchor="end"'
-            svg.append(f'<line class="formula {kind}" x1="{x0}" x2="{x0 + W}" y1="{y(level):.1f}"'
-                       f' y2="{y(level):.1f}" stroke="black" stroke-dasharray="4 2"/><text '
-                       f'{at} y="{y(level) - 3:.1f}">{kind} {p["symbols"][kind]}</text>')
+        ev, dx, edges = p.events, W / len(p.events), [_edges(e) for e in p.events]
+        svg.append(f'<g transform="translate({L + i * (W + GAP)},0)">')
+        for b, kind in enumerate(STACK):  # a band: along its top edge, back along its bottom edge
+            outline = [(j + h, edges[j][b + 1]) for j in range(len(ev)) for h in (0, 1)]
+            outline += [(j + h, edges[j][b]) for j in reversed(range(len(ev))) for h in (1, 0)]
+            d = " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline)
+            svg.append(_tag("path", class_=f"band {kind}", data_stage=p.stage, fill=COLORS[kind],
+                            d=f"M{d} Z"))
+        # the formula's levels, labelled right, left, right: apart where two lines are close
+        for kind, level in zip(STACK, accumulate(p.formula[k] for k in STACK)):
+            at = dict(x=2) if kind == "params" else dict(x=W - 2, text_anchor="end")
+            svg += [_tag("line", class_=f"formula {kind}", x2=W, y1=y(level), y2=y(level),
+                         stroke="black", stroke_dasharray="4 2"),
+                    _tag("text", f"{kind} {p.symbols[kind]}", y=y(level) - 3, **at)]
         if cuda:
-            line = " ".join(f"{x:.1f},{y(e['cuda'] or 0):.1f}" for x, e in zip(mid, ev))
-            svg.append(f'<polyline class="cuda" points="{line}" fill="none" stroke="black" '
-                       f'stroke-width="2"/>')
+            line = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}"
+                            for j, e in enumerate(ev))
+            svg.append(_tag("polyline", class_="cuda", points=line, fill="none", stroke="black",
+                            stroke_width=2))
         for j, e in enumerate(ev):  # the event under the pointer
-            svg.append(f'<rect x="{x0 + j * dx:.1f}" y="{T}" width="{dx:.1f}" height="{H}" '
-                       f'fill="transparent"><title>{j + 1}. {escape(e["event"])}: params '
-                       f'{e["params"]:,}, grads {e["grads"]:,}, optimizer {e["optimizer"]:,}'
-                       f'</title></rect>')
+            event = (f"{j + 1}. {escape(e['event'])}: params {e['params']:,}, grads "
+                     f"{e['grads']:,}, optimizer {e['optimizer']:,}")
+            svg.append(_tag("rect", _tag("title", event), x=j * dx, y=T, width=dx, height=H,
+                            fill="transparent"))
         j = _peak(ev)
-        svg.append(f'<circle class="peak" cx="{mid[j]:.1f}" cy="{y(_total(ev[j])):.1f}" r="4" '
-                   f'fill="red"/><text x="{x0}" y="{T + H + 30}">peak {_si(_total(ev[j]))}B at '
-                   f'event {j + 1}: {escape(ev[j]["event"])}</text>')
+        svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
+                     fill="red"),
+                _tag("text", f"peak {_si(_total(ev[j]))}B at event {j + 1}: "
+                     f"{escape(ev[j]['event'])}", y=T + H + 30)]
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
-            svg.append(f'<line x1="{x0 + j * dx:.1f}" x2="{x0 + j * dx:.1f}" y1="{T}" '
-                       f'y2="{T + H}" stroke="#444" stroke-dasharray="1 3"/><text '
-                       f'x="{x0 + j * dx - 3:.1f}" y="{T + H - 4}" text-anchor="end">step</text>')
-        svg.append(f'<text x="{x0}" y="{T - 8}" font-size="13">stage {p["stage"]}: '
-                   f'{STAGE_NAMES[p["stage"]].split(":")[0]}</text><text x="{x0}" '
-                   f'y="{T + H + 15}">{len(ev)} events of step {p["step"]}, in order</text>')
-        svg.append(f'<rect x="{x0}" y="{T}" width="{W}" height="{H}" fill="none" stroke="#999"/>')
-    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{T + H + 40}" '
-            f'font-family="sans-serif" font-size="11">',
-            '<rect width="100%" height="100%" fill="white"/>']
-    return "\n".join(head + svg + ["</svg>", ""])
+            svg += [_tag("line", x1=j * dx, x2=j * dx, y1=T, y2=T + H, stroke="#444",
+                         stroke_dasharray="1 3"),
+                    _tag("text", "step", x=j * dx - 3, y=T + H - 4, text_anchor="end")]
+        svg += [_tag("text", f"stage {p.stage}: {STAGE_NAMES[p.stage].split(':')[0]}", y=T - 8,
+                     font_size=13),
+                _tag("text", f"{len(ev)} events of step {p.step}, in order", y=T + H + 15),
+                _tag("rect", y=T, width=W, height=H, fill="none", stroke="#999"), "</g>"]
+    width = max(right, L + 8 * len(title), L + sum(30 + 7 * len(text) for _, _, text in keys))
+    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+                      f'height="{T + H + 40}" font-family="sans-serif" font-size="11">',
+                      '<rect width="100%" height="100%" fill="white"/>', *svg, "</svg>", ""])
 
 
 def show_timeline(panels, path):
@@ -587,10 +588,9 @@ def train_every_stage(args):
     for stage in range(4):
         res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
         panels.append(timeline_panel(res, args))
-        ev = panels[-1]["events"]
         log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
-             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(ev)} events, "
-             f"peak {_si(_total(ev[_peak(ev)]))}B")
+             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(res['timeline'])} events, "
+             f"peak {_si(max(map(_total, res['timeline'])))}B")
     show_timeline(panels, args.timeline_all)
 
 
@@ -610,5 +610,3 @@ def check_timeline_args(args):
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
         raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
                          if not os.path.isdir(path) else f"{path} is a directory")
-
-
