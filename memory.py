@@ -438,6 +438,7 @@ Panel = namedtuple("Panel", "stage step world psi groups dtype events formula sy
 
 
 def timeline_panel(res, args):
+    """One run's Panel, from what train() returned (res) and its args."""
     pb, gb, ob = bytes_per_parameter(args)
     s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
     n = "N" if G == N else "G"  # hybrid sharding: what is sharded is 1/G
@@ -507,10 +508,10 @@ def timeline_svg(panels):
     """The panels side by side on one byte axis: per panel one band (a <path>) per kind, stacked,
     the formula's level of each kind (stacked the same way) dashed, the peak marked, and on
     CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event. Each panel
-    is a group (<g>) moved right to its place: in it x counts from the panel's left edge."""
+    is a group (<g>) moved to its place: in it x and y count from the panel's top left corner."""
     W, H, GAP, L, T = 300, 240, 40, 70, 78  # a panel's width and height, gap, left, top margins
     top = _top(panels, cuda=True) * 1.08
-    y = lambda b: T + H - H * b / top  # noqa: E731
+    y = lambda b: H - H * b / top  # noqa: E731  (bytes: the height in a panel)
     # between two lines of the byte axis: the least 1, 2 or 5 x 10^e bytes, at most 6 of them
     tick = min(m * 10**e for e in range(20) for m in (1, 2, 5) if m * 10**e * 6 >= top)
     p0, right = panels[0], L + len(panels) * (W + GAP)
@@ -526,11 +527,11 @@ def timeline_svg(panels):
                            for color, mark, text in keys)
     svg = [_tag("text", title, x=L, y=20, font_size=14), _tag("text", legend, x=L, y=48)]
     for b in range(0, int(top) + 1, tick):  # the byte axis, shared by every panel
-        svg += [_tag("line", x1=L, x2=right - GAP, y1=y(b), y2=y(b), stroke="#ddd"),
-                _tag("text", f"{_si(b)}B", x=L - 5, y=y(b) + 4, text_anchor="end")]
+        svg += [_tag("line", x1=L, x2=right - GAP, y1=T + y(b), y2=T + y(b), stroke="#ddd"),
+                _tag("text", f"{_si(b)}B", x=L - 5, y=T + y(b) + 4, text_anchor="end")]
     for i, p in enumerate(panels):
         ev, dx, edges = p.events, W / len(p.events), [_edges(e) for e in p.events]
-        svg.append(f'<g transform="translate({L + i * (W + GAP)},0)">')
+        svg.append(f'<g transform="translate({L + i * (W + GAP)},{T})">')
         for b, kind in enumerate(STACK):  # a band: along its top edge, back along its bottom edge
             outline = [(j + h, edges[j][b + 1]) for j in range(len(ev)) for h in (0, 1)]
             outline += [(j + h, edges[j][b]) for j in reversed(range(len(ev))) for h in (1, 0)]
@@ -551,21 +552,19 @@ def timeline_svg(panels):
         for j, e in enumerate(ev):  # the event under the pointer
             event = (f"{j + 1}. {escape(e['event'])}: params {e['params']:,}, grads "
                      f"{e['grads']:,}, optimizer {e['optimizer']:,}")
-            svg.append(_tag("rect", _tag("title", event), x=j * dx, y=T, width=dx, height=H,
+            svg.append(_tag("rect", _tag("title", event), x=j * dx, width=dx, height=H,
                             fill="transparent"))
         j = _peak(ev)
+        peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
         svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
-                     fill="red"),
-                _tag("text", f"peak {_si(_total(ev[j]))}B at event {j + 1}: "
-                     f"{escape(ev[j]['event'])}", y=T + H + 30)]
+                     fill="red"), _tag("text", peak, y=H + 30)]
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
-            svg += [_tag("line", x1=j * dx, x2=j * dx, y1=T, y2=T + H, stroke="#444",
-                         stroke_dasharray="1 3"),
-                    _tag("text", "step", x=j * dx - 3, y=T + H - 4, text_anchor="end")]
-        svg += [_tag("text", f"stage {p.stage}: {STAGE_NAMES[p.stage].split(':')[0]}", y=T - 8,
+            svg += [_tag("line", x1=j * dx, x2=j * dx, y2=H, stroke="#444", stroke_dasharray="1 3"),
+                    _tag("text", "step", x=j * dx - 3, y=H - 4, text_anchor="end")]
+        svg += [_tag("text", f"stage {p.stage}: {STAGE_NAMES[p.stage].split(':')[0]}", y=-8,
                      font_size=13),
-                _tag("text", f"{len(ev)} events of step {p.step}, in order", y=T + H + 15),
-                _tag("rect", y=T, width=W, height=H, fill="none", stroke="#999"), "</g>"]
+                _tag("text", f"{len(ev)} events of step {p.step}, in order", y=H + 15),
+                _tag("rect", width=W, height=H, fill="none", stroke="#999"), "</g>"]
     width = max(right, L + 8 * len(title), L + sum(30 + 7 * len(text) for _, _, text in keys))
     return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
                       f'height="{T + H + 40}" font-family="sans-serif" font-size="11">',
