@@ -16,8 +16,11 @@ What it uses of zero.py: train() and its Progress, the Meter's records (meter.ti
 formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
 check_args). zero.py imports this file at the flags that need it.
 """
-import argparse, contextlib, os, signal, time
+import argparse, bisect, contextlib, os, signal, socket, sys, time
 from collections import namedtuple
+from html import escape
+from itertools import accumulate
+from multiprocessing import connection, get_context
 
 import torch
 import torch.distributed as dist
@@ -53,12 +56,12 @@ def memory_size(text):
     return int(size)
 
 
-
-def _status(field, *more):  # bytes, from this process's /proc/self/status (Linux); with more
-    with open("/proc/self/status") as f:  # fields than one, {field: bytes} read at one moment
-        got = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-               if k in (field, *more)}
-    return got if more else got[field]
+def _sizes(path="/proc/self/status"):
+    """{field: bytes} of the sizes a /proc file lists in kB (Linux), read at one moment: this
+    process's (VmData, VmSize, VmPeak...) or, from /proc/meminfo, the machine's (MemAvailable)."""
+    with open(path) as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                if v.strip().endswith(" kB")}
 
 
 def limit_memory(size, device):
@@ -83,45 +86,42 @@ def limit_memory(size, device):
     # one malloc arena for all threads: a thread's new arena maps 64 MB of address space for a
     # moment, which hides the data size's peak in the address space's (Watch.peak). The price:
     # threads that allocate small objects at once wait for each other.
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # (a C library without mallopt)
         ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
     try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        new = _status("VmData") + size
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        new = _sizes()["VmData"] + size
         if hard != resource.RLIM_INFINITY:
             new = min(new, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM, the peak resident size, starts again from here
-        return _status("VmRSS")
-    except (OSError, ValueError, StopIteration) as e:
+        return _sizes()["VmRSS"]
+    except (OSError, ValueError) as e:
         raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
             from None
 
 
 class Watch(Progress):
     """zero.Progress, and under --max-memory on CPU the data size (VmData: what RLIMIT_DATA
-    counts) at each of its moments: the largest seen (data), and as each block's forward starts
-    in the last forward (forward): from one block to the next it grows by what a block keeps for
-    backward (per_block)."""
+    counts) at each of its moments, from start() on (train() calls it as it sets the limit):
+    the largest seen (data), and as each block's forward starts in the last forward (forward):
+    from one block to the next it grows by what a block keeps for backward (per_block)."""
 
     def start(self):  # what peak() starts from: the data size now, and the address space
-        self.vm = _status("VmPeak", "VmSize", "VmData")
+        self.vm = _sizes()
         self.data = self.data0 = self.now = self.vm["VmData"]
         self.forward = []
 
     def note(self, what):
         super().note(what)
-        if hasattr(self, "data"):
-            self.now = _status("VmData")
-            self.data = max(self.data, self.now)
+        self.now = _sizes()["VmData"]
+        self.data = max(self.data, self.now)
 
     def block_forward(self, name):
         super().block_forward(name)
-        if hasattr(self, "data") and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             if name == "blocks.0":  # a new forward
                 self.forward = []
             self.forward.append(self.now)
@@ -132,11 +132,11 @@ class Watch(Progress):
         for backward; at stage 3 each sample also holds the block's unit and the one prefetched,
         the same from block to block), on average. 0 where unknown: not under --max-memory on
         CPU (on CUDA the search then takes the excess as flat, from the trials that fitted)."""
-        f = getattr(self, "forward", [])
+        f = self.forward
         return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
 
     def used(self):  # the most this rank allocated above its runtime: the peak, less the start
-        return self.peak() - self.data0 if hasattr(self, "data") else -1
+        return self.peak() - self.data0
 
     def peak(self):
         """The most data this rank had since the limit was set. Linux keeps no peak of it, but
@@ -149,10 +149,9 @@ class Watch(Progress):
         put a run that fitted at 199.4 MB, and the next block out of memory. Where it cannot be
         used (the address space did not grow past its peak from before the limit, or what is
         not data changed), what was sampled."""
-        vm, before = _status("VmPeak", "VmSize", "VmData"), self.vm
-        if vm["VmPeak"] > before["VmPeak"] and \
-                vm["VmSize"] - vm["VmData"] == before["VmSize"] - before["VmData"]:
-            return max(self.data, vm["VmPeak"] - (vm["VmSize"] - vm["VmData"]))
+        vm, not_data = _sizes(), lambda vm: vm["VmSize"] - vm["VmData"]  # noqa: E731
+        if vm["VmPeak"] > self.vm["VmPeak"] and not_data(vm) == not_data(self.vm):
+            return max(self.data, vm["VmPeak"] - not_data(vm))
         return self.data
 
 
@@ -171,54 +170,58 @@ def check_largest_model_args(args):
                          "more: --world-size 2 at least")
 
 
+def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device (no memory)
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
+                                          args.n_head).parameters())
+
+
+def _formula(args, stage, psi):  # the model state per rank by the paper's formula, in bytes
+    return sum(memory_formula(stage, psi, args.world_size, *bytes_per_parameter(args),
+                              args.shard_size).values())
+
+
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
     trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
     Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
     that trial only. The search starts where the formula puts the wall and brackets it:
     wall_guess() says where, from what the trials that fitted measured."""
-    N, rows, lo, t0, count = args.world_size, [], 0, time.time(), [0]
-    pb, gb, ob = bytes_per_parameter(args)
+    N, rows, walls, lo, t0, trials = args.world_size, [], [], 0, time.time(), 0
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
     if not cuda:  # the trials run on CPU tensors, as choose_device would put them
-        with open("/proc/meminfo") as f:  # the N ranks share this machine's memory
-            free = next(int(line.split()[1]) * 1024 for line in f
-                        if line.startswith("MemAvailable:"))
+        free = _sizes("/proc/meminfo")["MemAvailable"]  # the N ranks share this machine's memory
         if N * args.max_memory > free:
             raise UsageError(f"--largest-model: {N} ranks x --max-memory "
                              f"{_si(args.max_memory)}B is more than this machine's available "
                              f"memory ({_si(free)}B): the kernel would stop the trials, not the "
                              "limit")
-    with torch.device("meta"):  # Ψ grows by one block's parameters per block
-        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n,
-                                               args.n_head).parameters()) for n in (1, 2))
-    psi = lambda layers: one + (layers - 1) * (two - one)  # noqa: E731
-    formula = lambda stage, layers: sum(memory_formula(  # noqa: E731
-        stage, psi(layers), N, pb, gb, ob, args.shard_size if stage else None).values())
-    # Mixed precision: step()'s fp32 copy of the gradients stepped (unit.step_grad), model state
-    # that grows with the model as the formula's does; the search counts it with the formula.
-    step_copy = lambda stage, layers: 4 * psi(layers) / (  # noqa: E731
-        1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
-    walls = []  # each stage's largest trial that fitted: a Fit
+    one, two = _psi(args, 1), _psi(args, 2)  # Ψ grows by one block's parameters per block
+
+    def model_state(stage, layers):
+        """The formula's, and in mixed precision step()'s fp32 copy of the gradients stepped
+        (unit.step_grad): model state that grows with the model as the formula's does."""
+        psi = one + (layers - 1) * (two - one)
+        copy = 4 * psi / (1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
+        return _formula(args, stage, psi) + copy
+    # rows: the table's; walls: each stage's largest trial that fitted (a Fit)
     for stage in range(4):
         tried, fitted = {}, []
 
         def fits(layers):
             if layers not in tried:
                 tried[layers] = res = _trial(args, stage, layers)
-                count[0] += 1
                 print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
                       (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
                        else res["error"].split(" (--max-memory")[0]), flush=True)
                 if res["ok"]:
-                    f = formula(stage, layers) + step_copy(stage, layers)
-                    fitted.append(Fit(layers, res["state"] + res["rest"] - f, res["state"] - f,
-                                      res["per_block"]))
+                    state = model_state(stage, layers)
+                    fitted.append(Fit(layers, res["state"] + res["rest"] - state,
+                                      res["state"] - state, res["per_block"]))
             return tried[layers]["ok"]
         hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
         while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
-            guess = wall_guess(fitted, walls, lambda n: formula(stage, n) + step_copy(stage, n),
-                               args.max_memory)
+            guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
             if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
                 layers, up = lo + 2 ** up, up + 1
             elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
@@ -231,10 +234,11 @@ def largest_model(args):
                 break
             if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
                 lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
-        rows.append((stage, tried.get(lo), tried.get(hi)))
+        rows.append((stage, tried.get(lo), tried.get(hi)))  # None: not tried at this stage
         walls += [max(fitted)] if fitted else []
+        trials += len(tried)
     print_memory_wall(args, rows)
-    print(f"{count[0]} trials in {time.time() - t0:.0f} s")
+    print(f"{trials} trials in {time.time() - t0:.0f} s")
     if not walls:
         raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
                           f"within --max-memory {_si(args.max_memory)}B at any stage")
@@ -242,9 +246,7 @@ def largest_model(args):
 
 @contextlib.contextmanager
 def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
-    def terminated(signum, frame):
-        raise SystemExit(128 + signum)
-    old = signal.signal(signal.SIGTERM, terminated)
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         yield
     finally:
@@ -255,6 +257,7 @@ def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (
 # it held (excess) and the model state alone (transient: buffers the formula does not count),
 # and what one more block adds to the rest (per_block: activations).
 Fit = namedtuple("Fit", "layers excess transient per_block")
+MAX_LAYERS = 4096  # --largest-model stops doubling here
 
 
 def wall_guess(fitted, walls, formula, limit):
@@ -279,33 +282,23 @@ def wall_guess(fitted, walls, formula, limit):
     else:
         excess, limit = (lambda n: 0), limit / 2  # noqa: E731
     need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
-    lo, hi = 0, MAX_LAYERS + 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid)
-    return max(lo, 1)
-
-
-MAX_LAYERS = 4096  # --largest-model stops doubling here
+    fitting = bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need)  # 0, 1... that fit
+    return max(fitting - 1, 1)
 
 
 def _trial(args, stage, layers):
     """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
     Returns what rank 0 measured, or the first error a rank reported."""
-    import multiprocessing as mp
-    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2",
-            "--d-model", str(args.d_model), "--n-head", str(args.n_head),
-            "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-            "--max-memory", str(args.max_memory), "--timeout", str(args.timeout),
-            "--seed", str(args.seed)] + ["--bf16"] * args.bf16 + \
-        (["--shard-size", str(args.shard_size)] if args.shard_size and stage else []) + \
-        (["--backend", args.backend] if args.backend else []) + \
-        (["--device", args.device] if args.device else []) + \
-        (["--data", args.data] if args.data else [])
-    with torch.device("meta"):
-        psi = sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
-                                         args.n_head).parameters())
-    ctx, port = mp.get_context("spawn"), _free_port()
+    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2"] + \
+        ["--bf16"] * args.bf16
+    for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
+                 "backend", "device", "data", "shard_size"):  # the rest as given, or by default
+        value = getattr(args, name)
+        if value is not None and (stage or name != "shard_size"):  # (stage 0 shards nothing)
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
+        port = s.getsockname()[1]
+    ctx = get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
     procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
              for r, (_, send) in enumerate(pipes)]
@@ -317,25 +310,23 @@ def _trial(args, stage, layers):
         for p in procs:
             p.kill()
             p.join()
-    failed = [res for r, res in sorted(results.items()) if not res["ok"]]
-    oom = [res for res in failed if "out of memory" in res["error"]]
+    failed = [results[r] for r in sorted(results) if not results[r]["ok"]]
     if not failed and len(results) < args.world_size:
         failed = [{"ok": False, "error": "no answer before the deadline"}]
-    out = (oom or failed or [results[0]])[0]
+    oom = [res for res in failed if "out of memory" in res["error"]]
     if failed and not oom:
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
                          f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
-    return {**out, "psi": psi, "layers": layers}
+    return {**(oom or [results[0]])[0], "psi": _psi(args, layers), "layers": layers}
 
 
 def _collect(pipes, procs, deadline):
     """{rank: its report} from the trial's pipes, until every rank has reported, one has run out
     of memory (its trial is over: the others only wait for it) or the deadline passes. Several
     ranks may report at once (wait() returns all that are ready): every one is read."""
-    from multiprocessing.connection import wait
     results, waiting, over = {}, {recv: r for r, (recv, _) in enumerate(pipes)}, False
     while waiting and not over and time.time() < deadline:
-        for recv in wait(list(waiting), timeout=1):
+        for recv in connection.wait(list(waiting), timeout=1):
             r = waiting.pop(recv)
             try:
                 results[r] = recv.recv()
@@ -344,13 +335,6 @@ def _collect(pipes, procs, deadline):
                                                     f"{procs[r].exitcode})"}
             over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
     return results
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trial_rank(rank, world, port, argv, send):
@@ -362,24 +346,21 @@ def _trial_rank(rank, world, port, argv, send):
     os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
     os.dup2(devnull, 2)
     try:
-        args = check_args(training_parser("").parse_args(argv))
-        res = train(args, quiet=True)
+        res = train(check_args(training_parser("").parse_args(argv)), quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
                    "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
     except OutOfMemory as e:
         send.send({"ok": False, "error": str(e)})
     except BaseException as e:  # anything else: the trial's one line
-        text = str(e).strip().splitlines()
-        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: "
-                                         f"{text[0][:200] if text else ''}"})
+        first = (str(e).strip().splitlines() or [""])[0]  # its first line
+        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: {first[:200]}"})
     os._exit(0)
 
 
 def print_memory_wall(args, rows):
-    N = args.world_size
-    G = args.shard_size or N
-    pb, gb, ob = bytes_per_parameter(args)
-    formula = lambda stage, psi: sum(memory_formula(stage, psi, N, pb, gb, ob, G).values())  # noqa
+    """The table. rows: (stage, its largest trial that fitted, the one that did not), each
+    None where there is none."""
+    N, G = args.world_size, args.shard_size or args.world_size
     print(f"\nthe memory wall: the largest demo GPT each stage trains (2 steps) with at most "
           f"{_si(args.max_memory)}B\nper rank (--max-memory) on N = {N} ranks"
           + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
@@ -387,16 +368,15 @@ def print_memory_wall(args, rows):
           + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
     print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
           f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
-    best = {}
+
+    def columns(stage, res):  # a trial's blocks, Ψ and formula
+        return f"{res['layers']:>6} {res['psi']:>12,} {_si(_formula(args, stage, res['psi'])):>8}B"
     for stage, ok, no in rows:
-        left = (f"{ok['layers']:>6} {ok['psi']:>12,} {_si(formula(stage, ok['psi'])):>8}B "
-                f"{_si(ok['state']):>8}B {_si(ok['rest']):>7}B") if ok and ok["ok"] else \
+        left = f"{columns(stage, ok)} {_si(ok['state']):>8}B {_si(ok['rest']):>7}B" if ok else \
             f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
-        right = (f"{no['layers']:>6} {no['psi']:>12,} {_si(formula(stage, no['psi'])):>8}B"
-                 if no and not no["ok"] else f"{'-':>6}")
+        right = columns(stage, no) if no else f"{'-':>6}"
         print(f"{stage:<6}{left} | {right}")
-        if ok and ok["ok"]:
-            best[stage] = ok
+    best = {stage: ok for stage, ok, _ in rows if ok}
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
           "measured: the most model state a rank held (zero.py's own count); rest: the most a "
@@ -407,7 +387,6 @@ def print_memory_wall(args, rows):
     if 0 in best and 3 in best:
         print(f"stage 3 trains {best[3]['psi'] / best[0]['psi']:.1f}x the parameters of stage 0 "
               "on the same ranks")
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,10 +402,22 @@ CHARS = {"optimizer": "░", "params": "█", "grads": "▒"}
 
 
 class Timeline(list):
-    """The moments of one step, as zero.py's Meter sees them: Meter.event calls record()."""
+    """The moments of one step, as zero.py's Meter sees them (Meter.event calls record()), each
+    {"event": what happened, params, grads, optimizer: bytes this rank holds after it (with what
+    is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
 
     def record(self, zero, what, unit):
-        self.append(timeline_entry(zero, what, unit))
+        i = None if unit is None else zero.units.index(unit)
+        reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
+        label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
+                 "reduction launched": f"{reduction} of unit {i} launched",
+                 "reduction landed": f"{reduction} of unit {i} landed",
+                 "gradient buffer": f"gradient buffer of unit {i} made",
+                 "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
+                 "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
+        device = zero.units[0].flat.device
+        cuda = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        self.append({"event": label, **{k: zero.meter.now[k] for k in STACK}, "cuda": cuda})
 
 
 def start_timeline(zero):
@@ -441,38 +432,31 @@ def stop_timeline(zero):
     return timeline
 
 
-def timeline_entry(zero, what, unit):
-    """{"event": what happened, params, grads, optimizer: bytes this rank holds after it (with
-    what is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
-    i = None if unit is None else zero.units.index(unit)
-    reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
-    label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
-             "reduction launched": f"{reduction} of unit {i} launched",
-             "reduction landed": f"{reduction} of unit {i} landed",
-             "gradient buffer": f"gradient buffer of unit {i} made",
-             "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
-             "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
-    device = zero.units[0].flat.device
-    return {"event": label, **{k: zero.meter.now[k] for k in STACK},
-            "cuda": torch.cuda.memory_allocated(device) if device.type == "cuda" else None}
+# What one run's picture needs: the events of its recorded step (a Timeline), and of each kind
+# the formula's bytes per rank and its symbol (12Ψ/N). groups: ", G = 2" under hybrid sharding.
+Panel = namedtuple("Panel", "stage step world psi groups dtype events formula symbols")
 
 
 def timeline_panel(res, args):
-    """What one run's picture needs: its events and the formula's level of each kind."""
+    """One run's Panel, from what train() returned (res) and its args."""
     pb, gb, ob = bytes_per_parameter(args)
-    s, G = res["stage"], args.shard_size or res["world"]
-    n = "N" if G == res["world"] else "G"  # hybrid sharding: what is sharded is 1/G
-    return {"stage": s, "step": args.steps, "world": res["world"], "psi": res["psi"],
-            "groups": f", G = {G}" if G < res["world"] else "",
-            "events": res["timeline"], "dtype": "bf16 mixed precision" if args.bf16 else "fp32",
-            "formula": memory_formula(s, res["psi"], res["world"], pb, gb, ob, shard_size=G),
-            "symbols": {"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
-                        "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
-                        "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)}}
+    s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
+    n = "N" if G == N else "G"  # hybrid sharding: what is sharded is 1/G
+    return Panel(stage=s, step=args.steps, world=N, psi=res["psi"],
+                 groups=f", G = {G}" if G < N else "", events=res["timeline"],
+                 dtype="bf16 mixed precision" if args.bf16 else "fp32",
+                 formula=memory_formula(s, res["psi"], N, pb, gb, ob, shard_size=G),
+                 symbols={"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
+                          "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
+                          "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)})
 
 
 def _total(e):
     return sum(e[k] for k in STACK)
+
+
+def _edges(e):  # where each kind's band starts and ends, stacked: 0, optimizer, + params, + grads
+    return [0, *accumulate(e[k] for k in STACK)]
 
 
 def _peak(events):  # the first event after which the most is held
@@ -480,9 +464,8 @@ def _peak(events):  # the first event after which the most is held
 
 
 def _top(panels, cuda):  # the top of the byte axis all panels share
-    return max(max(sum(p["formula"].values()), _total(e), cuda and e["cuda"] or 0)
-               for p in panels for e in p["events"])
-
+    return max(max(sum(p.formula.values()), _total(e), cuda and e["cuda"] or 0)
+               for p in panels for e in p.events)
 
 
 def timeline_text(panels, width=100):
@@ -491,107 +474,101 @@ def timeline_text(panels, width=100):
     bar, top, out = width - 62, _top(panels, cuda=False), []
     col = lambda b: round(b * bar / top)  # noqa: E731
     for p in panels:
-        ev, formula, peak = p["events"], sum(p["formula"].values()), _peak(p["events"])
-        out += [f"stage {p['stage']}, {STAGE_NAMES[p['stage']].split(':')[0]}: model-state bytes "
-                f"of rank 0 after each event of step {p['step']} (N = {p['world']}{p['groups']})",
+        ev, formula, peak = p.events, sum(p.formula.values()), _peak(p.events)
+        c = max(col(formula), 1)  # the formula's total: a | in (or after) each bar
+        out += [f"stage {p.stage}, {STAGE_NAMES[p.stage].split(':')[0]}: model-state bytes "
+                f"of rank 0 after each event of step {p.step} (N = {p.world}{p.groups})",
                 f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
                 f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
                 f"  {'event':<34} {'params':>7} {'grads':>7} {'optim':>7}"]
         for j, e in enumerate(ev):
-            cum, row = 0, ""
-            for kind in STACK:
-                row += CHARS[kind] * (col(cum + e[kind]) - col(cum))
-                cum += e[kind]
-            c = max(col(formula), 1)  # the formula's total: a | in (or after) the bar
+            edge = _edges(e)
+            row = "".join(CHARS[k] * (col(b) - col(a)) for k, a, b in zip(STACK, edge, edge[1:]))
             row = row[:c - 1].ljust(c - 1) + "|" + row[c:]
             out.append(f"{'▶' if j == peak else ' '} {e['event'][:34]:<34} {_si(e['params']):>7} "
                        f"{_si(e['grads']):>7} {_si(e['optimizer']):>7} {row}")
         out.append(f"  ▶ peak {_si(_total(ev[peak]))}B at event {peak + 1} of {len(ev)}: "
                    f"{ev[peak]['event']}")
         if ev[0]["cuda"] is not None:
-            j = max(range(len(ev)), key=lambda j: ev[j]["cuda"])
+            most = max(ev, key=lambda e: e["cuda"])
             out.append(f"  torch.cuda.memory_allocated (activations too): most "
-                       f"{_si(ev[j]['cuda'])}B at {ev[j]['event']}")
+                       f"{_si(most['cuda'])}B at {most['event']}")
         out.append("")
     return "\n".join(out)
+
+
+def _tag(name, inner="", **attrs):
+    """One SVG element: attributes by keyword (class_ for class, _ for -), floats to 0.1."""
+    at = "".join(f' {k.strip("_").replace("_", "-")}="{round(v, 1) if isinstance(v, float) else v}"'
+                 for k, v in attrs.items())
+    return f"<{name}{at}>{inner}</{name}>" if inner else f"<{name}{at}/>"
 
 
 def timeline_svg(panels):
     """The panels side by side on one byte axis: per panel one band (a <path>) per kind, stacked,
     the formula's level of each kind (stacked the same way) dashed, the peak marked, and on
-    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event."""
-    from html import escape
+    CUDA torch.cuda.memory_allocated as a curve. Hover over the bands for each event. Each panel
+    is a group (<g>) moved to its place: in it x and y count from the panel's top left corner."""
     W, H, GAP, L, T = 300, 240, 40, 70, 78  # a panel's width and height, gap, left, top margins
     top = _top(panels, cuda=True) * 1.08
-    y = lambda b: T + H - H * b / top  # noqa: E731
-    tick = 1
-    while tick * 10 <= top / 4:
-        tick *= 10
-    tick *= next(m for m in (1, 2, 5, 10) if tick * m * 6 >= top)  # at most 6 ticks
+    y = lambda b: H - H * b / top  # noqa: E731  (bytes: the height in a panel)
+    # between two lines of the byte axis: the least 1, 2 or 5 x 10^e bytes, at most 6 of them
+    tick = min(m * 10**e for e in range(20) for m in (1, 2, 5) if m * 10**e * 6 >= top)
     p0, right = panels[0], L + len(panels) * (W + GAP)
-    title = (f'Model-state bytes of rank 0 after each event of one training step (N = '
-             f'{p0["world"]}, Ψ = {p0["psi"]:,}, {p0["dtype"]} AdamW)')
-    svg = [f'<text x="{L}" y="20" font-size="14">{title}</text>']
-    cuda = any(e["cuda"] is not None for p in panels for e in p["events"])
-    legend = [(f'<rect width="10" height="10" y="-9" fill="{COLORS[k]}"/>', k) for k in STACK[::-1]]
-    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-dasharray="4 2"/>',
-                "formula, stacked"), ('<circle cx="5" cy="-4" r="4" fill="red"/>', "peak")]
-    legend += [('<line x2="14" y1="-4" y2="-4" stroke="black" stroke-width="2"/>',
-                "torch.cuda.memory_allocated (activations included)")] * cuda
-    x = L
-    for mark, text in legend:
-        svg.append(f'<g transform="translate({x},44)">{mark}<text x="18">{text}</text></g>')
-        x += 30 + 7 * len(text)
-    width = max(right, x, L + 8 * len(title))
-    for k in range(int(top // tick) + 1):  # the byte axis, shared by every panel
-        svg.append(f'<line x1="{L}" x2="{right - GAP}" y1="{y(k * tick):.1f}" '
-                   f'y2="{y(k * tick):.1f}" stroke="#ddd"/><text x="{L - 5}" '
-                   f'y="{y(k * tick) + 4:.1f}" text-anchor="end">{_si(k * tick)}B</text>')
+    title = (f"Model-state bytes of rank 0 after each event of one training step (N = "
+             f"{p0.world}, Ψ = {p0.psi:,}, {p0.dtype} AdamW)")
+    cuda = any(e["cuda"] is not None for p in panels for e in p.events)
+    keys = [(COLORS[k], "■", k) for k in STACK[::-1]] + [("black", "╌╌", "formula, stacked"),
+                                                         ("red", "●", "peak")]
+    keys += [("black", "━━", "torch.cuda.memory_allocated (activations included)")] * cuda
+    # the legend: one line of text, a coloured mark before each key, em spaces between (SVG
+    # collapses plain spaces)
+    legend = "\u2003".join(f'<tspan fill="{color}">{mark}</tspan> {text}'
+                           for color, mark, text in keys)
+    svg = [_tag("text", title, x=L, y=20, font_size=14), _tag("text", legend, x=L, y=48)]
+    for b in range(0, int(top) + 1, tick):  # the byte axis, shared by every panel
+        svg += [_tag("line", x1=L, x2=right - GAP, y1=T + y(b), y2=T + y(b), stroke="#ddd"),
+                _tag("text", f"{_si(b)}B", x=L - 5, y=T + y(b) + 4, text_anchor="end")]
     for i, p in enumerate(panels):
-        ev, x0 = p["events"], L + i * (W + GAP)
-        dx = W / len(ev)
-        mid = [x0 + (j + 0.5) * dx for j in range(len(ev))]
-        low = [0] * len(ev)
-        for kind in STACK:  # a band: along its top edge, back along its bottom edge
-            high = [a + e[kind] for a, e in zip(low, ev)]
-            edge = [(x0 + (j + h) * dx, high[j]) for j in range(len(ev)) for h in (0, 1)]
-            edge += [(x0 + (j + h) * dx, low[j]) for j in reversed(range(len(ev))) for h in (1, 0)]
-            d = " L".join(f"{a:.1f},{y(b):.1f}" for a, b in edge)
-            svg.append(f'<path class="band {kind}" data-stage="{p["stage"]}" '
-                       f'fill="{COLORS[kind]}" d="M{d} Z"><title>{kind}</title></path>')
-            low = high
-        level = 0
-        for kind in STACK:  # labels right, left, right: they do not overlap where lines are close
-            level += p["formula"][kind]
-            at = f'x="{x0 + 2}"' if kind == "params" else f'x="{x0 + W - 2}" text-anchor="end"'
-            svg.append(f'<line class="formula {kind}" x1="{x0}" x2="{x0 + W}" y1="{y(level):.1f}"'
-                       f' y2="{y(level):.1f}" stroke="black" stroke-dasharray="4 2"/><text '
-                       f'{at} y="{y(level) - 3:.1f}">{kind} {p["symbols"][kind]}</text>')
+        ev, dx, edges = p.events, W / len(p.events), [_edges(e) for e in p.events]
+        svg.append(f'<g transform="translate({L + i * (W + GAP)},{T})">')
+        for b, kind in enumerate(STACK):  # a band: along its top edge, back along its bottom edge
+            outline = [(j + h, edges[j][b + 1]) for j in range(len(ev)) for h in (0, 1)]
+            outline += [(j + h, edges[j][b]) for j in reversed(range(len(ev))) for h in (1, 0)]
+            d = " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline)
+            svg.append(_tag("path", class_=f"band {kind}", data_stage=p.stage, fill=COLORS[kind],
+                            d=f"M{d} Z"))
+        # the formula's levels, labelled right, left, right: apart where two lines are close
+        for kind, level in zip(STACK, accumulate(p.formula[k] for k in STACK)):
+            at = dict(x=2) if kind == "params" else dict(x=W - 2, text_anchor="end")
+            svg += [_tag("line", class_=f"formula {kind}", x2=W, y1=y(level), y2=y(level),
+                         stroke="black", stroke_dasharray="4 2"),
+                    _tag("text", f"{kind} {p.symbols[kind]}", y=y(level) - 3, **at)]
         if cuda:
-            line = " ".join(f"{x:.1f},{y(e['cuda'] or 0):.1f}" for x, e in zip(mid, ev))
-            svg.append(f'<polyline class="cuda" points="{line}" fill="none" stroke="black" '
-                       f'stroke-width="2"/>')
+            line = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}"
+                            for j, e in enumerate(ev))
+            svg.append(_tag("polyline", class_="cuda", points=line, fill="none", stroke="black",
+                            stroke_width=2))
         for j, e in enumerate(ev):  # the event under the pointer
-            svg.append(f'<rect x="{x0 + j * dx:.1f}" y="{T}" width="{dx:.1f}" height="{H}" '
-                       f'fill="transparent"><title>{j + 1}. {escape(e["event"])}: params '
-                       f'{e["params"]:,}, grads {e["grads"]:,}, optimizer {e["optimizer"]:,}'
-                       f'</title></rect>')
+            event = (f"{j + 1}. {escape(e['event'])}: params {e['params']:,}, grads "
+                     f"{e['grads']:,}, optimizer {e['optimizer']:,}")
+            svg.append(_tag("rect", _tag("title", event), x=j * dx, width=dx, height=H,
+                            fill="transparent"))
         j = _peak(ev)
-        svg.append(f'<circle class="peak" cx="{mid[j]:.1f}" cy="{y(_total(ev[j])):.1f}" r="4" '
-                   f'fill="red"/><text x="{x0}" y="{T + H + 30}">peak {_si(_total(ev[j]))}B at '
-                   f'event {j + 1}: {escape(ev[j]["event"])}</text>')
+        peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
+        svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
+                     fill="red"), _tag("text", peak, y=H + 30)]
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
-            svg.append(f'<line x1="{x0 + j * dx:.1f}" x2="{x0 + j * dx:.1f}" y1="{T}" '
-                       f'y2="{T + H}" stroke="#444" stroke-dasharray="1 3"/><text '
-                       f'x="{x0 + j * dx - 3:.1f}" y="{T + H - 4}" text-anchor="end">step</text>')
-        svg.append(f'<text x="{x0}" y="{T - 8}" font-size="13">stage {p["stage"]}: '
-                   f'{STAGE_NAMES[p["stage"]].split(":")[0]}</text><text x="{x0}" '
-                   f'y="{T + H + 15}">{len(ev)} events of step {p["step"]}, in order</text>')
-        svg.append(f'<rect x="{x0}" y="{T}" width="{W}" height="{H}" fill="none" stroke="#999"/>')
-    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{T + H + 40}" '
-            f'font-family="sans-serif" font-size="11">',
-            '<rect width="100%" height="100%" fill="white"/>']
-    return "\n".join(head + svg + ["</svg>", ""])
+            svg += [_tag("line", x1=j * dx, x2=j * dx, y2=H, stroke="#444", stroke_dasharray="1 3"),
+                    _tag("text", "step", x=j * dx - 3, y=H - 4, text_anchor="end")]
+        svg += [_tag("text", f"stage {p.stage}: {STAGE_NAMES[p.stage].split(':')[0]}", y=-8,
+                     font_size=13),
+                _tag("text", f"{len(ev)} events of step {p.step}, in order", y=H + 15),
+                _tag("rect", width=W, height=H, fill="none", stroke="#999"), "</g>"]
+    width = max(right, L + 8 * len(title), L + sum(30 + 7 * len(text) for _, _, text in keys))
+    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+                      f'height="{T + H + 40}" font-family="sans-serif" font-size="11">',
+                      '<rect width="100%" height="100%" fill="white"/>', *svg, "</svg>", ""])
 
 
 def show_timeline(panels, path):
@@ -610,10 +587,9 @@ def train_every_stage(args):
     for stage in range(4):
         res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
         panels.append(timeline_panel(res, args))
-        ev = panels[-1]["events"]
         log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
-             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(ev)} events, "
-             f"peak {_si(_total(ev[_peak(ev)]))}B")
+             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(res['timeline'])} events, "
+             f"peak {_si(max(map(_total, res['timeline'])))}B")
     show_timeline(panels, args.timeline_all)
 
 
@@ -633,5 +609,3 @@ def check_timeline_args(args):
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
         raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
                          if not os.path.isdir(path) else f"{path} is a directory")
-
-
