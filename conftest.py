@@ -13,7 +13,8 @@ another one wrote (reads=other) runs in a later launch where it must: the N = 4 
 checkpoint, the N = 2 ranks read it and write theirs, which N = 4 ranks read in a second launch.
 A launch starts when a test first asks for one of its scenarios. Where a GPU is visible, the CUDA
 cases (ids with "cuda") run the same scenarios on CUDA tensors in a second pool; elsewhere they
-are skipped, saying what is missing.
+are skipped, saying what is missing. ZERO_TEST_TIMES=1 (with pytest -s) prints each scenario's
+seconds: where the suite's time goes.
 """
 import contextlib
 import copy
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_any
@@ -146,7 +148,11 @@ def _rank_process(conn, transport):
             for setting, value in defaults.items():
                 setattr(zero, setting, copy.deepcopy(value))
             try:
+                t0 = time.perf_counter()
                 out = getattr(importlib.import_module(module), name)(rank, world)
+                if rank == 0 and os.environ.get("ZERO_TEST_TIMES"):
+                    print(f"scenario N{world} {name}: {time.perf_counter() - t0:.2f} s",
+                          file=sys.__stderr__, flush=True)
                 torch.save(out if transport == "cpu" else on_cpu(out),
                            os.path.join(folder, f"{module}.{name}.{rank}.pt"))
                 conn.send(None)

@@ -30,6 +30,7 @@ Meter; zero.materialize() hands a model built on the meta device to materialize(
 import itertools
 
 import torch
+import torch.distributed as dist
 
 
 def materialize(zero, init):
@@ -94,6 +95,15 @@ def materialize(zero, init):
     _check_set(fresh)
     for t, _ in fresh:  # frozen parameters and buffers, initialized on the CPU too
         t.data = t.data.to(zero.device)
+
+
+def build_device(device):
+    """Where a model built on the meta device is built: `device` (wrap(device=...)), by default
+    this rank's GPU under NCCL, else the CPU."""
+    device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _apply_order(m):  # the modules in nn.Module.apply's order: children first, then m

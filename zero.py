@@ -572,24 +572,22 @@ def setup(backend=None, device=None, timeout_s=600):
     if dist.is_initialized():
         if backend not in (None, dist.get_backend()):
             raise UsageError(f"--backend {backend}, but the process group is {dist.get_backend()}")
-        backend = dist.get_backend()
-        if backend == "nccl":  # its ranks' GPUs are chosen already (torch.cuda.set_device)
-            return dist.get_rank(), dist.get_world_size(), torch.device(
-                "cuda", torch.cuda.current_device())
+        here = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else choose_device("gloo", device)[1]  # (NCCL: its ranks' GPUs are chosen already)
+        return dist.get_rank(), dist.get_world_size(), here
     backend, dev = choose_device(backend, device)
-    if not dist.is_initialized():
-        # NCCL: a collective that fails or times out raises in wait() (a blocking wait), as
-        # gloo's do, where torch's watchdog would abort. The price: the host waits too.
-        if backend == "nccl":
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-        timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
-        if "RANK" in os.environ:  # the store torchrun made (see _attempt_store)
-            dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
-                                    rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]))
-        else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+    # NCCL: a collective that fails or times out raises in wait() (a blocking wait), as gloo's
+    # do, where torch's watchdog would abort. The price: the host waits too.
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
+    if "RANK" in os.environ:  # the store torchrun made (see _attempt_store)
+        dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), dev
 
 
@@ -617,10 +615,10 @@ def choose_device(backend, device):
     if backend == "nccl" and (device != "cuda" or not own):
         raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
                          f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
-    dev = torch.device("cuda", local_rank % gpus) if device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return backend, dev
+    if device == "cpu":
+        return backend, torch.device("cpu")
+    torch.cuda.set_device(local_rank % gpus)
+    return backend, torch.device("cuda", local_rank % gpus)
 
 
 def _attempt_store(timeout):
@@ -674,7 +672,7 @@ def configure(zero, model, options):
     zero.mixed_precision = zero.param_dtype is not None
     zero.reduce_dtype = zero.reduce_dtype or (torch.float32 if zero.mixed_precision else None)
     zero.units = make_units(zero, model, o.units)
-    zero.device = build_device(zero, zero.device)  # the model's, or where a meta model is built
+    zero.device = build_device(zero)  # the model's, or where a meta-device model is built
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
     zero.meter = Meter(zero)
     # Speed 1, reductions in flight (_land_reductions): stage 0 all, in place as DDP, unless into
@@ -845,18 +843,20 @@ def _broadcast_buffers(zero_ref, model, args):
         zero.meter.wait(w)
 
 
-def build_device(zero, device):
-    """Where the model lives: its own device, or for a model built on the meta device (which has
-    none yet) `device`, by default this rank's GPU under NCCL, else the CPU."""
-    if not zero.units[0].flat.is_meta:
-        here = zero.units[0].flat.device
-        if device is not None and torch.device(device) != here:
-            raise ValueError(f"zero: device={device} is for a model built on the meta device; "
-                             f"this one is on {here}")
-        return here
-    device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and \
-        device.index is None else device
+def build_device(zero):
+    """Where the model lives: its own device; a model built on the meta device has none yet
+    (meta_init.py says where it is built). init= and device= are for such a model only."""
+    here = zero.units[0].flat.device
+    if here.type == "meta":
+        import meta_init
+        return meta_init.build_device(zero.device)
+    if zero.init is not None:
+        raise ValueError("zero: init is for a model built on the meta device; this one is "
+                         "initialized already")
+    if zero.device is not None and torch.device(zero.device) != here:
+        raise ValueError(f"zero: device={zero.device} is for a model built on the meta device; "
+                         f"this one is on {here}")
+    return here
 
 
 def materialize(zero):
@@ -866,9 +866,6 @@ def materialize(zero):
     if zero.units[0].flat.is_meta:
         import meta_init
         return meta_init.materialize(zero, zero.init)
-    if zero.init is not None:
-        raise ValueError("zero: init is for a model built on the meta device; this one is "
-                         "initialized already")
     return zero.units
 
 
@@ -929,9 +926,8 @@ def buckets(groups, bucket_bytes):
 
 # Speed 3, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
 # torch's for-loop Adam passes over each tensor about ten times: a 128K-element piece's weights,
-# gradient, m and v take 2 MB, one core's L2 cache (1M-element pieces made stage 0's step 1.1-1.8x
-# as long). The cuts also bound the temporaries it allocates per tensor (one [S] of a 50M shard:
-# 200 MB). The price: Adam's per-tensor work and step counter for each. On a GPU, few launches.
+# gradient, m and v (2 MB) stay in one core's L2 cache; the cuts also bound the temporaries it
+# allocates per tensor. The price: Adam's per-tensor work and step counter for each piece.
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
@@ -1223,30 +1219,25 @@ class ShardedParameter(nn.Parameter):
     """A stage-3 parameter, its storage freed between uses (ZeRO3._free): reading its values
     then is a clear error, not freed memory; its shape, dtype, grad or hooks still work."""
 
+    METADATA = {"numel", "dim", "size", "stride", "storage_offset", "untyped_storage", "data_ptr",
+                "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
+                "register_hook", "requires_grad_", "retain_grad", "__hash__",
+                "is_floating_point", "is_complex", "is_signed", "get_device", "__len__"}
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a property: only getting .data hands out the values
+            reads = name == "__get__" and getattr(func.__self__, "__name__", "") == "data"
+        else:  # x.view_as(p) asks p for its shape only
+            reads = name not in cls.METADATA and (name != "view_as" or type(args[0]) is cls)
         for a in args:
-            if type(a) is cls and not a._zero_unit().gathered and _reads_values(func, args):
+            if reads and type(a) is cls and not a._zero_unit().gathered:
                 raise RuntimeError(
                     f"zero: {a._zero_name} is sharded at stage 3 and not gathered now (only inside "
                     "forward and backward): read the model with opt.full_state_dict() on every "
                     "rank, save it with checkpoints.save_checkpoint()")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-
-
-_METADATA = {"numel", "dim", "size", "stride", "storage_offset", "untyped_storage", "data_ptr",
-             "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
-             "register_hook", "requires_grad_", "retain_grad", "__hash__", "is_floating_point",
-             "is_complex", "is_signed", "get_device", "__len__"}
-
-
-def _reads_values(func, args):
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):  # a property: only getting .data hands out the values
-        return name == "__get__" and getattr(func.__self__, "__name__", "") == "data"
-    if name == "view_as":  # x.view_as(p) asks p for its shape only
-        return type(args[0]) is ShardedParameter
-    return name not in _METADATA
 
 
 def guard_sharded_parameters(zero):
@@ -1398,18 +1389,16 @@ def _convert(module, apply, names, fn, recurse=True):
 
 
 # ----------------------------------------------------------------------------------------------
-# Full parameters for a moment: `with optimizer.gathered(modules=None, writeback=False):`, as
-# FSDP1's summon_full_params, DeepSpeed's GatheredParameters: the parameters of the modules
-# (default: the model; stage 3 gathers only their units) hold their full values, to read as on a
-# plain model: evaluation, generation (under torch.no_grad(): no more gathers), an EMA, norms.
-# With writeback=True what is written lands at the end in every rank's parameters, shards and
-# fp32 masters, rank 0's winning (a broadcast: DeepSpeed's modifier_rank=0); without, writes are
-# not kept in step across ranks, nor (stage 3, mixed precision) kept at all. Every rank enters (a
-# collective at stage 3 or with writeback), never in a forward or backward. Adam's state stays.
-
+# Full parameters for a moment, as FSDP1's summon_full_params, DeepSpeed's GatheredParameters
 
 @contextlib.contextmanager
 def gathered(zero, modules=None, writeback=False):
+    """`with optimizer.gathered(modules=None, writeback=False):` the parameters of the modules
+    (default: the model; stage 3 gathers only their units) hold their full values, to read as on
+    a plain model: evaluation, generation (under torch.no_grad()), an EMA, norms. writeback=True:
+    what is written lands at the end in every rank's parameters, shards and fp32 masters, rank
+    0's winning (DeepSpeed's modifier_rank=0); else writes are not kept. Every rank enters (a
+    collective at stage 3 or with writeback), between steps. Adam's state stays."""
     if zero.forwards[0] or torch._C._current_graph_task_id() != -1:
         raise RuntimeError("zero: optimizer.gathered() inside a forward or backward: a module "
                            "computes with its units gathered already; enter it between steps")
@@ -1418,37 +1407,31 @@ def gathered(zero, modules=None, writeback=False):
     wanted = dict.fromkeys(p for m in modules for p in m.parameters())  # (in order: broadcasts)
     units = [u for u in zero.units if any(p in wanted for p in u.params)]
     kept = {u for u in units if u.gathered}  # (stage 3: the root, between forward and backward)
-    for u in units:
-        if zero.stage == 3:
-            zero._gather(u)
-            u.users += 1  # not freed by a forward inside the block
-    mine = [u.flat[u.stepped].clone() for u in units] if writeback and zero.mixed_precision \
-        else None  # this rank's stepped elements as they were: the masters of those changed
+    for u in units if zero.stage == 3 else []:
+        zero._gather(u)
+        u.users += 1  # not freed by a forward inside the block
+    # This rank's stepped elements as they were: the fp32 master of an element written changes,
+    # an element left alone keeps its fp32 bits
+    before = [u.flat[u.stepped].clone() for u in units if writeback and zero.mixed_precision]
     try:
         yield
-        if writeback:
-            _write_back(zero, units, wanted, mine)
-    finally:
-        for u in units:
+        for u in units if writeback else []:
+            dist.broadcast(u.flat, src=0)  # rank 0's values, on every rank
+            zero.meter.sent("broadcast", u.flat)
             if zero.stage == 3:
-                u.users -= 1
-                if u.users == 0 and u not in kept:
-                    zero._free(u)
-
-
-def _write_back(zero, units, wanted, mine):
-    for i, u in enumerate(units):
-        dist.broadcast(u.flat, src=0)  # rank 0's values, on every rank
-        zero.meter.sent("broadcast", u.flat)
-        if zero.stage == 3:
-            u.shard.copy_(u.flat[u.my_slice])  # the shard lives in storage of its own
-        if zero.mixed_precision:  # the fp32 master of an element written, not of the others:
-            new = u.flat[u.stepped]  # an element left alone keeps its fp32 bits
-            changed = new != mine[i]
-            u.master[changed] = new[changed].to(u.master.dtype)
-    for p in wanted:
-        if not hasattr(p, "_zero_unit"):  # frozen: whole on every rank
-            dist.broadcast(p.data, src=0)
+                u.shard.copy_(u.flat[u.my_slice])  # the shard lives in storage of its own
+            if zero.mixed_precision:
+                new = u.flat[u.stepped]
+                changed = new != before.pop(0)
+                u.master[changed] = new[changed].to(u.master.dtype)
+        for p in wanted if writeback else []:
+            if not hasattr(p, "_zero_unit"):  # frozen: whole on every rank
+                dist.broadcast(p.data, src=0)
+    finally:
+        for u in units if zero.stage == 3 else []:
+            u.users -= 1
+            if u.users == 0 and u not in kept:
+                zero._free(u)
 
 
 def _wide(t):
