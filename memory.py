@@ -64,13 +64,14 @@ def _sizes(path="/proc/self/status"):
                 if v.strip().endswith(" kB")}
 
 
-def limit_memory(size, device):
+def limit_memory(size, device, watch=None):
     """From now on this rank may allocate `size` bytes beyond what it holds now (its runtime:
     Python, torch, the process group). CPU: RLIMIT_DATA, the limit Linux puts on a process's
     data (the heap and its private mappings, where torch's CPU tensors live), set `size` above
-    what the process has; an allocation past it fails and torch raises its out-of-memory error.
-    CUDA: torch.cuda.set_per_process_memory_fraction, the share of the GPU torch's caching
-    allocator may take. Returns the runtime's resident bytes (CPU; 0 on CUDA)."""
+    what the process has; an allocation past it fails and torch raises its out-of-memory error;
+    `watch` (a Watch) measures the data size from here. CUDA: torch.cuda.
+    set_per_process_memory_fraction, the share of the GPU torch's caching allocator may take.
+    Returns the runtime's resident bytes (CPU; 0 on CUDA)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
@@ -97,10 +98,39 @@ def limit_memory(size, device):
         resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM, the peak resident size, starts again from here
+        if watch is not None:
+            watch.start()
         return _sizes()["VmRSS"]
     except (OSError, ValueError) as e:
         raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
             from None
+
+
+def raise_if_out_of_memory(e, args, model, progress):
+    """train()'s error e, if it is this rank running out of memory (--max-memory's or a real
+    one): OutOfMemory, one line naming the rank, where it was (zero.Progress) and the stage's
+    formula. Any other error: nothing (train() raises it as it is)."""
+    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
+            "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
+        return
+    world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())
+    G = args.shard_size or world
+    need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args), G).values())
+    raise OutOfMemory(
+        f"rank {dist.get_rank()}: out of memory in " + f"step {progress.step}, " * bool(
+            progress.step) + progress.what + (f" (--max-memory {_si(args.max_memory)}B)"
+                                              if args.max_memory else "")
+        + f"; stage {args.stage}'s formula: its model state alone is {_si(need)}B per rank "
+        f"(Ψ = {psi:,}, N = {world}" + (f", G = {G})" if G < world else ")")) from None
+
+
+def report_limit(res, args):
+    """The report's line under --max-memory: what the ranks used above their runtime."""
+    state = sum((res["peak"] or {}).values())
+    log0(f"--max-memory {_si(args.max_memory)}B per rank: at most {_si(res['used'])}B used "
+         f"above the runtime, {_si(res['used'] - state)}B of it not model state"
+         + (f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else "")
+         + " (largest over the ranks)")
 
 
 class Watch(Progress):

@@ -1199,8 +1199,7 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
 
 
 def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
-    unit, scale = next(((u, s) for u, s in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s),
-                       ("", 1))
+    unit, scale = next(((u, s) for u, s in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s), ("", 1))
     return f"{n / scale:.4g}{unit}" if unit else f"{n:.0f}"
 
 
@@ -1639,30 +1638,17 @@ def train(args, build=None, keep_params=False, quiet=False):
     with ckpt or contextlib.nullcontext():
         try:
             return _train(args, build, keep_params, quiet, world, device, model, progress)
-        except (RuntimeError, MemoryError) as e:
-            if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(
-                    m in str(e) for m in (
-                    "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
-                raise
-            psi, G = sum(p.numel() for p in model.parameters()), args.shard_size or world
-            need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args),
-                                      G).values())
-            raise OutOfMemory(
-                f"rank {rank}: out of memory in " + f"step {progress.step}, " * bool(progress.step)
-                + progress.what + (f" (--max-memory {_si(args.max_memory)}B)" if args.max_memory
-                                   else "") + f"; stage {args.stage}'s formula: its model state "
-                f"alone is {_si(need)}B per rank (Ψ = {psi:,}, N = {world}"
-                + (f", G = {G})" if G < world else ")")) from None
+        except (RuntimeError, MemoryError) as e:  # out of memory: OutOfMemory's line instead
+            _memory().raise_if_out_of_memory(e, args, model, progress)
+            raise
 
 
 def _train(args, build, keep_params, quiet, world, device, model, progress):
-    rank, runtime = dist.get_rank(), -1  # runtime: what a rank held before --max-memory's limit
+    rank = dist.get_rank()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
-    if args.max_memory:
-        runtime = _memory().limit_memory(args.max_memory, device)
-        if device.type == "cpu":
-            progress.start()  # the data size the limit counts, from here (memory.Watch)
+    # runtime: what a rank held before --max-memory's limit (-1: no limit)
+    runtime = _memory().limit_memory(args.max_memory, device, progress) if args.max_memory else -1
     torch.manual_seed(args.seed)  # the weights: wrap(init=...) draws them, unit by unit
     net, opt, label = (build or zero_build(args))(model, device)
     progress.track(model)
@@ -1678,8 +1664,7 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                               f"{args.grad_accum} micro-batch(es)")]))
     ck = _checkpoints() if args.ckpt_dir or args.resume_from else None
-    first, last_good = ck.resume(opt, args, world, device, log) if ck \
-        else (1, None)
+    first, last_good = ck.resume(opt, args, world, device, log) if ck else (1, None)
     # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count
     # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
     counting = getattr(opt, "counting", contextlib.nullcontext)
@@ -1854,10 +1839,7 @@ def report(res, args):
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
     if args.max_memory and res["used"] >= 0:
-        log0(f"--max-memory {_si(args.max_memory)}B per rank: at most {_si(res['used'])}B used "
-             f"above the runtime, {_si(res['used'] - sum(peak.values()))}B of it not model state"
-             + (f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else "")
-             + " (largest over the ranks)")
+        _memory().report_limit(res, args)
 
 
 # ----------------------------------------------------------------------------------------------
