@@ -115,7 +115,8 @@ CHECKS = [("the suite's CUDA cases (pytest -k cuda)", suite),
 
 def main():
     if GPUS == 0:
-        print("gpu_check.py: no CUDA GPU is visible here: nothing to check", file=sys.stderr)
+        print("gpu_check.py: error: no CUDA GPU is visible here: nothing to check",
+              file=sys.stderr)
         return 2
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {GPUS} GPU(s): "
           f"{torch.cuda.get_device_name(0)}")

@@ -10,4 +10,5 @@ def test_gpu_check_without_a_gpu_says_so():
     out = subprocess.run([sys.executable, "gpu_check.py"], capture_output=True, text=True,
                          cwd=HERE, env=ENV, timeout=120)  # (ENV hides the GPUs)
     assert out.returncode == 2 and out.stdout == "", out.stderr
-    assert out.stderr == "gpu_check.py: no CUDA GPU is visible here: nothing to check\n"
+    assert out.stderr == \
+        "gpu_check.py: error: no CUDA GPU is visible here: nothing to check\n"

@@ -77,15 +77,15 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `
 # FlatParameter: its parameters back to back in one flat buffer, padded with zeros to N*S
 # elements so that it splits into N equal, contiguous shards of S. Rank r owns shard r.
 #
-#   flat  [N*S]: | p0 ........ | p1 .... | p2 ............ | 0 0 |    p.data is a view into it
-#                |<- shard 0 ->|<- shard 1 ->|<- shard 2 ->|<- 3 ->|  (N = 4, S elements each)
+#   flat  [N*S]: | p0 ..........| p1 ......| p2 ...........| 0 0 |   p.data is a view into it
+#                |<-shard 0->|<-shard 1->|<-shard 2->|<-shard 3->|   (N = 4, S elements each)
 #
 # Why one flat buffer, not whole parameters handed round-robin to owners: every rank gets the
 # same number of elements (to within the padding), and each collective is a single call.
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
 # as soon as backward is done with it, and what stage 3 gathers just before it computes. With
 # units=[] everything is one unit, the root. Default: one unit per block (default_units); stages
-# 0-2 may merge or cut them into buckets instead (bucket_bytes, speed 2).
+# 0-2 may merge or cut them into buckets instead (bucket_bytes: Part II, speed 2).
 
 class Unit:
     def __init__(self, modules, params, rank, N, S=None):
@@ -103,14 +103,17 @@ class Unit:
         # Each stage's _shard sets what follows (stage 0: all of flat, a full gradient):
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
-        self.grad = None              # [N*S] the full gradient, while this rank holds one
+        self.grad = None              # [N*S] the gradient buffer (stage 1, once reduced: its
+                                      # [S] slice holds the sum, the rest zeros)
         self.grad_shard = None        # the gradient of the elements stepped: summed, then / N
         self.step_grad = None         # ... in the master's dtype, during step() only
         # What backward has done with it so far:
         self.arrived = 0              # its parameters given a gradient in this backward
-        self.received = set()         # ... since zero_grad(): step() steps only those
+        self.received = set()         # ... since zero_grad() (step() steps what any rank got)
         self.unreduced = False        # it holds local gradients that no reduction has summed yet
-        self.hidden = set()           # unused here: .grad None, reduced as zeros (count_unused)
+        # Unused here (stages 0, 1; count_unused): .grad None, the slice reduced as zeros; then
+        # it holds the others' mean, which step() shows as p.grad if some rank used p, as DDP
+        self.hidden = set()
         self.index = None             # its place in the model's list of units
 
     @property
@@ -144,7 +147,7 @@ def all_gather(out, shard, async_op=False, group=None):
 
 # ----------------------------------------------------------------------------------------------
 # Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
-# the same at every stage: backward -> _on_grad copies it into its unit's flat gradient ->
+# the same at every stage: backward -> _on_grad puts it into its unit's flat gradient ->
 # _reduce_unit launches the unit's reduction (_reduce: the sum over ranks) -> it lands (_land)
 # -> / N, the mean (stage 0: as it lands; stages 1-3: in _reduce_grads) -> step() hands each
 # optimizer tensor its slice -> optimizer.step() -> _gather_params (stages 1 and 2; stage 3
@@ -161,10 +164,10 @@ class DataParallel:
 
     def __init__(self, model, optimizer, **options):
         self.model = model
-        # wrap()'s options on self (self.overlap, self.reduce_dtype, self.mixed_precision...),
-        # the units (default: one per block), the meter, the same on every rank (Part II). It
-        # sets self.N, the number of ranks a unit is cut over, and self.group, their process
-        # group (None: torch's default group, every rank).
+        # wrap()'s options on self (self.overlap, self.mixed_precision...), the units (default:
+        # one per block), the meter, the same on every rank (Part II); self.N, the ranks a unit
+        # is cut over, and self.group, theirs (None: the default group of every rank; always so
+        # at stage 0, which shards nothing: N is the world size).
         self.units = configure(self, model, options)
         self.in_flight = []  # reductions launched, not landed yet: (work, unit, where it lands)
         for unit in materialize(self):  # (a meta-device model: allocated unit by unit)
@@ -178,11 +181,11 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps this rank's masters: optimizer([u.master for u in units]), each cut
-        # into flat pieces, views back to back (u.pieces, speed 3; u.owners[i]: the parameters
-        # piece i holds elements of). Exact for element-wise optimizers (SGD, Adam, AdamW...):
-        # each element's update depends on its own gradient and state only. NOT for those that
-        # look at whole tensors (LAMB, Shampoo, Muon: a piece may hold slices), nor param groups.
+        # The optimizer steps this rank's masters, each cut into flat pieces, views back to back
+        # (u.pieces, speed 3; u.owners[i]: the parameters piece i holds elements of). Exact for
+        # element-wise optimizers (SGD, Adam, AdamW...): each element's update depends on its
+        # own gradient and state only. NOT for those that look at whole tensors (LAMB, Shampoo,
+        # Muon: a piece may hold slices), nor param groups.
         self.optimizer = optimizer(optimizer_pieces(self))
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -248,9 +251,9 @@ class DataParallel:
 
     def _land_reductions(self, wait=True):
         # Oldest first, the same order as without overlap, so the sums are the same: with wait,
-        # every one; else those beyond max_in_flight (all at stage 0, whose in-place all-reduces
-        # hold no memory of their own; from stage 1 on, one: each may hold a buffer) and
-        # those complete already.
+        # every one; else those beyond max_in_flight (stage 0: all, as its all-reduces run in
+        # place and hold no memory of their own; one where each may hold a buffer: from stage 1
+        # on, or reducing a copy in another dtype) and those complete already.
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
             work, unit, result = self.in_flight.pop(0)
@@ -261,7 +264,7 @@ class DataParallel:
     def _reduce(self, unit, g):  # -> (the collective's work, where its result lands)
         # meter.sent: the bytes sent (measurement), and the fingerprint check_step_agrees checks
         self.meter.sent("all_reduce", g, unit)
-        return dist.all_reduce(g, async_op=True), g  # [N*S] in place: the sum over ranks
+        return dist.all_reduce(g, async_op=True), g  # [N*S] in place: the sum over all ranks
 
     def _land(self, unit, g):
         # Every rank holds the sum over ranks: / N, the mean. Accumulating (without no_sync)
@@ -332,13 +335,8 @@ class DataParallel:
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface: gathered() and memory (Part II), checkpoints (checkpoints.py)
-    def gathered(self, modules=None, writeback=False): return gathered(self, modules, writeback)
-    def memory_breakdown(self): return self.meter.breakdown()
-    def state_dict(self): return _checkpoints().checkpoint_part(self)
-    def load_state_dict(self, state): _checkpoints().load_own_part(self, state)
-    def full_state_dict(self): return _checkpoints().full_state_dict(self)
-    def load_full_state_dict(self, state): _checkpoints().load_full_state_dict(self, state)
+    # The rest of the interface, not the algorithm: gathered(), memory_breakdown(), state_dict()
+    # and the like are added in Part II ("The rest of the interface")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,7 +369,7 @@ class ZeRO1(DataParallel):
         # that sum counts (local or partial sums): zero them, so a later backward adds only new
         # ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation), and
         # only this rank holds it there. / N once, in _reduce_grads. (So at stage 1 a p.grad view
-        # shows this rank's shard of the sum, zeros elsewhere: the gradient is sharded.)
+        # shows this rank's shard of the sum, the mean from step() on, zeros elsewhere.)
         unit.grad_shard.copy_(summed)
         unit.grad[:unit.my_slice.start].zero_()
         unit.grad[unit.my_slice.stop:].zero_()
@@ -445,9 +443,9 @@ class ZeRO2(ZeRO1):
 class ZeRO3(ZeRO2):
     """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
     the unit right before its module computes in forward and frees it right after; it is
-    gathered again right before the module's backward and freed once its gradient is
-    reduce-scattered. Only the unit computing is gathered (with overlap, also the next one,
-    prefetched; and the root), never the whole model. Memory 16Ψ/N (paper); communication
+    gathered again right before the module's backward and freed once its gradient's
+    reduce-scatter is launched. Only the unit computing is gathered (with overlap, also the next
+    one, prefetched; and the root), never the whole model. Memory 16Ψ/N (paper); communication
     3Ψ (N-1)/N: the parameters are all-gathered twice per step, not once. The root unit (what no
     unit holds, e.g. embeddings and final norm) stays gathered from the start of forward until
     its gradient is reduced, as FSDP2 keeps its root: backward needs it again at once."""
@@ -1431,6 +1429,19 @@ def gathered(zero, modules=None, writeback=False):
             u.users -= 1
             if u.users == 0 and u not in kept:
                 zero._free(u)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rest of the interface, every stage's: full parameters for a moment (above), the bytes held
+# (the Meter) and checkpoints (checkpoints.py, imported where a checkpoint is first needed)
+
+DataParallel.gathered = gathered
+DataParallel.memory_breakdown = lambda self: self.meter.breakdown()  # {params, grads, optimizer}
+DataParallel.state_dict = lambda self: _checkpoints().checkpoint_part(self)  # this rank's part
+DataParallel.load_state_dict = lambda self, state: _checkpoints().load_own_part(self, state)
+DataParallel.full_state_dict = lambda self: _checkpoints().full_state_dict(self)  # unsharded
+DataParallel.load_full_state_dict = \
+    lambda self, state: _checkpoints().load_full_state_dict(self, state)
 
 
 def _wide(t):
