@@ -13,7 +13,8 @@ What the README claims of zero.py, and the tests that check it:
   test_buckets_merge_and_split_units_and_change_nothing_else,
   test_each_way_of_reducing_trains_the_same, test_mixed_precision_trains_close_to_fp32 (bf16:
   close, not equal), test_clipping_really_clips (that those comparisons can fail),
-  test_cli_every_stage_gives_the_same_losses (the demo GPT).
+  test_cli_every_stage_gives_the_same_losses (the demo GPT),
+  test_a_model_of_torchs_own_layers_trains_like_the_reference (nn.TransformerEncoder).
 - Memory = formula: test_memory_matches_formula, test_mixed_precision_memory_matches_the_paper,
   test_sharded_state_is_never_whole, test_peak_follows_every_change,
   test_dropped_models_are_freed, test_estimate_reproduces_the_paper,
@@ -286,6 +287,58 @@ def test_clipping_really_clips():
     clipped = reference("adamw", 2)
     assert max((p.detach() - clipped[n]).abs().max().item()
                for n, p in model.named_parameters()) > 1e-4
+
+
+def torch_transformer(seed):
+    """A model of torch's own layers, as a user builds one: nn.TransformerEncoder (pre-norm, its
+    attention's packed in_proj_weight, layers deep-copied from one) between an embedding and a
+    head; float64, where AdamW's first, sign-like steps cannot turn rounding into a step."""
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(D, 2, dim_feedforward=2 * D, dropout=0.0,
+                                       batch_first=True, norm_first=True, dtype=torch.float64)
+    return nn.Sequential(nn.Embedding(V, D, dtype=torch.float64),
+                         nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                         nn.Linear(D, V, dtype=torch.float64))
+
+
+THIRD_PARTY = {"adamw": functools.partial(torch.optim.AdamW, lr=1e-2),
+               "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)}
+
+
+def third_party_steps(model, opt, rows, world):
+    for step in range(STEPS):
+        x, y = (t[rows] for t in global_batch(step, 0, world))
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@scenario(2)
+def third_party(rank, world):
+    out, rows = {}, slice(rank * B, (rank + 1) * B)
+    for name, optimizer in THIRD_PARTY.items():
+        for stage in range(4):
+            model = torch_transformer(seed=rank)  # ranks build different weights: rank 0's win
+            opt = zero.wrap(model, stage, optimizer)
+            third_party_steps(model, opt, rows, world)
+            out[(name, stage)] = {"full": opt.full_state_dict(), "units": len(opt.units)}
+    return out
+
+
+def test_a_model_of_torchs_own_layers_trains_like_the_reference(ran):
+    # Not a model written for these tests: torch's nn.TransformerEncoder, its two layers found
+    # as units (with the embedding and head in the root), at every stage, AdamW and SGD momentum
+    for name, optimizer in THIRD_PARTY.items():
+        model = torch_transformer(seed=0)
+        third_party_steps(model, optimizer(model.parameters()), slice(None), 2)
+        want = {n: p.detach() for n, p in model.named_parameters()}
+        initial = dict(torch_transformer(seed=0).named_parameters())
+        assert max((want[n] - initial[n]).abs().max().item() for n in want) > 1e-2
+        for res in ran(third_party, 2):
+            for stage in range(4):
+                got = res[(name, stage)]
+                assert got["units"] == 3
+                assert_trains_like(got["full"], want, tol=1e-10, what=f"{name} stage {stage}")
 
 
 # ----------------------------------------------------------------------------------------------
