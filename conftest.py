@@ -159,7 +159,7 @@ def _rank_process(conn, transport):
             except BaseException:
                 conn.send(traceback.format_exc())
         dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown, which gloo's threads can abort (see zero.run)
+    os._exit(0)  # (a pool's process has nothing to tear down: the pool is done with it)
 
 
 class ScenarioFailed(Exception):

@@ -19,6 +19,8 @@ collective of Part I runs over: here this rank's shard group) and the Meter. zer
 calls make_hybrid() when shard_size G < N, which makes the object's class a subclass of its
 stage and Hybrid, whose one override, _reduce, adds the all-reduce across groups.
 """
+import weakref
+
 import torch.distributed as dist
 
 from zero import _Pending
@@ -57,17 +59,18 @@ def make_hybrid(zero):
 
 
 _HYBRID = {}  # a stage's class -> its hybrid class
-_GROUPS = {}  # G -> (the default group they were made in, every rank's shard and replica groups)
+# The default group -> {G: (every rank's shard groups, replica groups)}, held weakly: a group
+# destroyed and let go must not live on here (and its gloo threads into the interpreter's exit)
+_GROUPS = weakref.WeakKeyDictionary()
 
 
 def hybrid_groups(N, rank, G):
     """(this rank's shard group, its replica group). Every rank makes every group, in the same
     order (new_group is a collective), once per default group: a process that destroys its
     group and makes a new one (a test pool, the CUDA runs) makes them again."""
-    default = dist.distributed_c10d._get_default_group()
-    if G not in _GROUPS or _GROUPS[G][0] is not default:  # (held: its id is not reused)
-        shards = [dist.new_group(list(range(g * G, (g + 1) * G))) for g in range(N // G)]
-        replicas = [dist.new_group(list(range(i, N, G))) for i in range(G)]
-        _GROUPS[G] = default, shards, replicas
-    _, shards, replicas = _GROUPS[G]
+    made = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if G not in made:
+        made[G] = ([dist.new_group(list(range(g * G, (g + 1) * G))) for g in range(N // G)],
+                   [dist.new_group(list(range(i, N, G))) for i in range(G)])
+    shards, replicas = made[G]
     return shards[rank // G], replicas[rank % G]

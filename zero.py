@@ -551,8 +551,9 @@ STAGES = [DataParallel, ZeRO1, ZeRO2, ZeRO3]
 
 def wrap(model, stage, optimizer, **options):
     """Shard `model` in place (as FSDP2's fully_shard) for ZeRO `stage` over the default group
-    (setup() makes one if there is none); return the optimizer that trains it. optimizer: makes
-    a torch optimizer of tensors, e.g. partial(torch.optim.AdamW, lr=1e-3); options: Options."""
+    (setup() makes one if there is none; import zero before init_process_group: see setup());
+    return the optimizer that trains it. optimizer: makes a torch optimizer of tensors, e.g.
+    partial(torch.optim.AdamW, lr=1e-3); options: Options."""
     if stage not in range(len(STAGES)):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     return STAGES[stage](model, optimizer, **options)
@@ -563,6 +564,14 @@ def wrap(model, stage, optimizer, **options):
 
 # ----------------------------------------------------------------------------------------------
 # Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
+
+# Imported with zero, before any process group exists: torch.distributed.nn's functions take
+# `group=group.WORLD` as a default, evaluated as the module is imported, and torch imports it
+# lazily (torch._dynamo, when the first optimizer is built). Imported after init_process_group,
+# those defaults would keep the group alive past destroy_process_group(), and gloo's threads with
+# it into the interpreter's exit, where one that lets go of a collective's last tensor aborts a
+# run that succeeded ("terminate called without an active exception"). So: import zero first.
+import torch.distributed.nn  # noqa: F401,E402
 
 def setup(backend=None, device=None, timeout_s=600):
     """Join torchrun's process group, or without torchrun make a group of one; one that is up
@@ -2081,11 +2090,11 @@ def run(main, argv=None):
         say(f"{prog}: {line}")
     if dist.is_initialized() and code not in (1, 4, 130):
         dist.destroy_process_group()
-    # No interpreter teardown: a gloo thread (torch 2.13) may still be releasing the last
-    # collective's tensors, and a good run aborts ("terminate called without an active exception").
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if code in (1, 4, 130):  # the group is not destroyed (a rank is gone): no teardown, which
+        os._exit(code)       # would join gloo's threads, stuck in the last collective
+    sys.exit(code)
 
 
 def _checkpoints():  # checkpoints.py and memory.py, files of their own, imported where needed
