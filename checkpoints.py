@@ -135,7 +135,7 @@ def load_parts(zero, parts, written):
     writer's layout(). Exact: each element's values are copied, not recomputed."""
     present = [part for part in parts if part is not None]
     load_values(zero, _reader(parts, written), checkpoint_state_keys(present),
-                checkpoint_scalars(written, present), present[0]["hyper"],
+                checkpoint_scalars(present), present[0]["hyper"],
                 parts[0]["replicated"] if parts[0] is not None else None)
 
 
@@ -772,7 +772,7 @@ def checkpoint_state_keys(parts):  # the per-element optimizer states: Adam's ex
     return list(dict.fromkeys(k for part in parts for unit in part["units"] for k in unit["state"]))
 
 
-def checkpoint_scalars(manifest, parts):  # {name: optimizer scalars}: Adam's step count
+def checkpoint_scalars(parts):  # {name: optimizer scalars}: Adam's step count
     return {n: s for part in parts for n, s in part["param_scalars"].items()}
 
 

@@ -275,9 +275,7 @@ class Torch:
                 shapes = {n: s for unit in info["units"] for n, s in unit}
                 checkpoints.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
                                                  for k, n in info["keys"]})
-                if info["optimizer"] != "AdamW":
-                    raise checkpoints.CheckpointError(f"checkpoint was written with optimizer "
-                                                      f"{info['optimizer']}, this run has AdamW")
+                checkpoints.another_optimizer(info["optimizer"], self.optimizer)
         if checkpoints.is_dcp(path):
             state = self._state()  # torch's own way: the state_dict as a template, filled in place
             dcp.load(state, checkpoint_id=path)
@@ -300,7 +298,7 @@ class Torch:
                                      src_data_rank=None)
         weights = {n: shard(n, t) for n, t in checkpoints.checkpoint_tensors(manifest, parts)}
         # Adam's step counts (of the parameters ever stepped), then exp_avg, exp_avg_sq
-        state = {n: dict(s) for n, s in checkpoints.checkpoint_scalars(manifest, parts).items()}
+        state = {n: dict(s) for n, s in checkpoints.checkpoint_scalars(parts).items()}
         for key in checkpoints.checkpoint_state_keys(parts):
             for n, t in checkpoints.checkpoint_tensors(manifest, parts, key):
                 if n in state:
