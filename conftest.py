@@ -60,6 +60,13 @@ def pytest_collection_modifyitems(config, items):
     SELECTED.update(item.module.__name__ for item in items)
 
 
+def pytest_collection_finish(session):
+    # A test module's slow processes of its own (start_early()) start now, beside the suite
+    for module in dict.fromkeys(item.module for item in session.items):
+        if hasattr(module, "start_early"):
+            module.start_early()
+
+
 def pytest_configure(config):
     # zero.py silences torch 2.13's renaming of the two collectives at import; pytest resets the
     # warning filters for every test, so the same filter goes here
@@ -338,7 +345,7 @@ def ran(shared):
 # The model most scenarios train, and its single-process reference
 
 V, D, H, B, T = 13, 6, 11, 3, 5  # vocab, width, hidden, rows per rank, tokens per row
-STEPS = 3
+STEPS = 2
 CASES = {
     # Units: emb, block 0, block 1, norm, head. The head's weight is the embedding's, so the tied
     # parameter sits in one unit and is used by two. Two micro-batches per step and clipping

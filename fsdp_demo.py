@@ -465,16 +465,22 @@ def main(argv=None):
                    help="also run zero.py's stage and print both side by side")
     p.add_argument("--bench", action="store_true",
                    help="every stage vs PyTorch, default and 50M models, timed")
-    p.add_argument("--repeats", type=zero.positive(int), default=3,
-                   help="--bench: alternating runs per pair")
+    p.add_argument("--repeats", type=zero.positive(int),
+                   help="--bench: alternating runs per pair (default: 3)")
     args = zero.check_args(p.parse_args(argv))
+    if args.bench and args.compare:
+        raise zero.UsageError("--bench and --compare: choose one (--bench compares every stage)")
+    if args.repeats is not None and not args.bench:
+        raise zero.UsageError("--repeats is for --bench")
+    args.repeats = args.repeats or 3
     if args.stage < 2 or args.bench:  # what only FSDP2 (stages 2 and 3) does here
         for used, what in [(args.ckpt_dir or args.resume_from,
                             "--ckpt-dir and --resume-from are FSDP2's here"),
                            (args.bf16, "--bf16 is FSDP2's MixedPrecisionPolicy"),
                            (args.shard_size, "--shard-size is FSDP2 on a 2-D mesh (HSDP) here")]:
             if used:
-                raise zero.UsageError(f"{what}: stages 2 and 3 only, not --bench")
+                raise zero.UsageError(f"{what}: stages 2 and 3 only" +
+                                      (", not --bench" if args.bench else ""))
     if args.units != "block":  # FSDP2 is given one unit per block, DDP buckets its own
         raise zero.UsageError("--units is zero.py's: fsdp_demo.py shards one unit per block")
     if args.ckpt_dir and args.compare:  # (at stages 0, 1 or with --bench: refused above)

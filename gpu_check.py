@@ -16,6 +16,7 @@ Each line of the table is one check, run as a user would run it, with what it mu
     run resumes from it.
 Without a GPU it says so and exits 2. It writes only in a temporary directory.
 """
+import argparse
 import os
 import re
 import subprocess
@@ -113,7 +114,14 @@ CHECKS = [("the suite's CUDA cases (pytest -k cuda)", suite),
           ("a checkpoint written on the GPU, resumed on the CPU", checkpoint)]
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit code 2, as every command here
+        print(f"gpu_check.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main():
+    Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if GPUS == 0:
         print("gpu_check.py: error: no CUDA GPU is visible here: nothing to check",
               file=sys.stderr)

@@ -639,3 +639,5 @@ def check_timeline_args(args):
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
         raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
                          if not os.path.isdir(path) else f"{path} is a directory")
+    if not path.endswith(".svg"):
+        raise UsageError(f"{path}: the timeline is an SVG picture: name it FILE.svg")

@@ -48,13 +48,14 @@ import torch.nn.functional as F
 
 import checkpoints
 import zero
-from conftest import (B, CASES, CKPT, CUDA_RUNS, SMALL, STEPS, TINY, Net, assert_trains_like,
+from conftest import (B, CASES, CKPT, CUDA_RUNS, SMALL, TINY, Net, assert_trains_like,
                       full_checkpoint, launcher_script, losses, main_printed, main_refused, run_id,
                       run_py, run_steps, scenario, wrapped)
 from test_zero import (TASKS_OPTIMIZER, Tasks, TwoDtypes, tasks_reference, tasks_steps,
                        two_dtypes_steps)
 
 RUNS = [("cpu", 1), ("cpu", 2), ("cpu", 4), *CUDA_RUNS]
+STEPS = 3  # a resume: 1 step, a checkpoint, 2 more, against 3 straight
 
 # ----------------------------------------------------------------------------------------------
 # torch's convention, opt.load_state_dict(opt.state_dict()), and a checkpoint on disk, on the same

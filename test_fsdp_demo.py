@@ -70,8 +70,14 @@ def fsdp_scenarios(rank, world):
 @scenario(2)
 def fsdp_bad_input(rank, world):
     import fsdp_demo
-    return [(args, *main_refused(fsdp_demo.main, args))
-            for args in (["--stage", "5"], ["--stage", "1", "--bf16"])]
+    return [(args, *main_refused(fsdp_demo.main, args)) for args in BAD_FSDP]
+
+
+BAD_FSDP = {("--stage", "5"): "--stage",
+            ("--stage", "1", "--bf16"): "--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 "
+                                        "only",
+            ("--compare", "--bench"): "--bench and --compare: choose one",
+            ("--repeats", "5"): "--repeats is for --bench"}
 
 
 @scenario(2)
@@ -199,10 +205,10 @@ def test_fsdp_demo_bf16_and_bad_input(ran, refused):
     assert err.startswith(f"fsdp_demo.py: error: {message}") and "Traceback" not in err + out
     # and each bad input, as fsdp_demo.main raises it on every rank
     for answers in ran(fsdp_bad_input, 2):
-        assert [args for args, _, _ in answers] == [["--stage", "5"], ["--stage", "1", "--bf16"]]
+        assert [args for args, _, _ in answers] == list(BAD_FSDP)
         for args, message, printed in answers:
-            assert message and "\n" not in message and printed == "", (args, message)
-        assert "--bf16" in answers[1][1]
+            assert BAD_FSDP[args] in message and "\n" not in message and printed == "", \
+                (args, message)
 
 
 @scenario(4)

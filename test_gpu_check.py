@@ -3,6 +3,8 @@ it says so in one line and exits 2, having run nothing (on a GPU, it is the chec
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ENV, HERE
 
 
@@ -12,3 +14,12 @@ def test_gpu_check_without_a_gpu_says_so():
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr == \
         "gpu_check.py: error: no CUDA GPU is visible here: nothing to check\n"
+
+
+def test_gpu_check_refuses_what_it_does_not_take(monkeypatch, capsys):
+    import gpu_check  # (its parser, in this process: nothing runs before it)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--bogus", "5"])
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--bogus" in err, err

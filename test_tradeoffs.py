@@ -115,6 +115,9 @@ def test_cluster_estimate_names_what_fits_and_binds():
     assert re.search(r"^verdict: stage \d.* fits and is fastest", out, re.M), out
     fitting = [r for r in rows(out) if r[5]]
     assert fitting and not any(r[0] == 0 for r in fitting)  # 7B at stage 0: 112 GB a rank
+    # stages 1 and 2 take the same time here; of the two, the one that holds less is named
+    step = {(s, G, c): t for s, G, c, _, _, _, t in rows(out)}
+    assert step[1, 8, False] == step[2, 8, False] and "verdict: stage 2 with G = 8" in out
     out = main_printed(zero.main, SEVEN_B + ["--cluster", "gpu_memory=1e9"])
     assert "verdict: no stage fits in gpu_memory" in out and "memory binds" in out
 

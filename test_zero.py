@@ -1768,7 +1768,13 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, monkeypatch, capsys):
              (["--ckpt-dir", str(readonly)], "not writable"),
              (["--lr", "1e39"], "beyond float32's range"),
              (["--init-from", str(afile)], "not a state_dict file that torch.load can read"),
-             (["--shard-size", "2"], "must divide the world size 1")]
+             (["--shard-size", "2"], "must divide the world size 1"),
+             (["--data", str(afile)], f"--data {afile} has 0 bytes: too few for a row"),
+             (["--resume-from", str(afile / "x")], "no such file or directory"),
+             (["--timeline", str(tmp_path / "t.txt")], "name it FILE.svg"),
+             # what this machine cannot hold, refused before it is built (not killed later)
+             (["--n-layer", "10000000"], "this model needs at least"),
+             (["--batch-size", "100000000"], "its model state by stage 3's formula")]
     for args, message in cases:
         with pytest.raises((zero.UsageError, ValueError)) as e:  # (ValueError: wrap's checks)
             zero.main([*TINY, *args])
@@ -2058,18 +2064,43 @@ def test_setup_uses_the_group_that_is_up(gpus, one_rank, monkeypatch):
         zero.setup("nccl")
 
 
-def test_wrap_of_a_cpu_model_makes_a_gloo_group_where_gpus_are_visible():
+# A user's own script, in a process of its own: no process group up when it calls wrap(), a GPU
+# visible (its count faked), a CPU model; it trains, destroys its group and ends
+USERS_SCRIPT = """
+import functools, os, torch, torch.distributed as dist
+torch.cuda.device_count = lambda: 1
+import zero  # before any process group, as zero.py says
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+opt = zero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), units=list(model))
+print(dist.get_backend(), opt.device)
+model(torch.randn(4, 8)).sum().backward()
+opt.step()
+dist.destroy_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sum(name.startswith("pt_gloo") for name in threads))
+"""
+
+
+@pytest.fixture(scope="module")
+def users_script():
+    out = subprocess.run([sys.executable, "-c", USERS_SCRIPT], capture_output=True, text=True,
+                         cwd=HERE, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def test_wrap_of_a_cpu_model_makes_a_gloo_group_where_gpus_are_visible(users_script):
     # wrap() with no process group on a machine with a GPU: the group is one for the model's
     # device, gloo for a model on the CPU (NCCL would refuse its CPU tensors)
-    script = "\n".join([
-        "import torch, torch.distributed as dist",
-        "torch.cuda.device_count = lambda: 1",
-        "import zero",
-        "opt = zero.wrap(torch.nn.Linear(4, 4), 1, torch.optim.SGD)",
-        "print(dist.get_backend(), opt.device)"])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE,
-                         timeout=120, env=ENV)
-    assert out.returncode == 0 and out.stdout.split() == ["gloo", "cpu"], out.stderr[-2000:]
+    assert users_script[:2] == ["gloo", "cpu"]
+
+
+def test_a_script_exits_without_gloos_threads_alive(users_script):
+    # The group and its gloo threads are gone with destroy_process_group(). Torch's lazily
+    # imported torch.distributed.nn (the first optimizer imports it) would otherwise hold the
+    # group through its defaults, and a thread letting go of the last collective's tensor during
+    # the interpreter's exit aborts a run that succeeded (zero.py imports it first).
+    assert users_script[2:] == ["0"]
 
 
 @scenario(4)
@@ -2078,7 +2109,7 @@ def hybrid_in_a_new_group(rank, world):
     # destroyed and a new one made in the same processes (as the CUDA runs do, gloo then NCCL),
     # new ones are made, on every rank, not the destroyed ones found again.
     # The destroyed groups are let go, not kept by hybrid.py's cache of them (held, their gloo
-    # threads would live into the interpreter's exit, and abort it: test_a_script_exits_...).
+    # threads would live into the interpreter's exit, and abort it: USERS_SCRIPT).
     import hybrid
     out, rows = [], slice(rank * B, (rank + 1) * B)
     for attempt in range(2):
@@ -2102,27 +2133,3 @@ def test_hybrid_sharding_in_a_new_process_group(ran):
         for got in (trained, trained_again):
             assert_trains_like(got, want)
 
-
-EXITS = """
-import functools, os, sys, torch, torch.distributed as dist
-import zero  # before init_process_group, as zero.py says
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-opt = zero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), units=list(model))
-model(torch.randn(4, 8)).sum().backward()
-opt.step()
-dist.destroy_process_group()
-threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print(sum(name.startswith("pt_gloo") for name in threads))
-"""
-
-
-def test_a_script_exits_without_gloos_threads_alive():
-    # A user's own script that wraps, trains, destroys its group and ends: the group and its
-    # gloo threads are gone with destroy_process_group(). Torch's lazily imported
-    # torch.distributed.nn (the first optimizer imports it) would otherwise hold the group
-    # through its defaults, and a thread letting go of the last collective's tensor during the
-    # interpreter's exit aborts a run that succeeded (zero.py imports it first).
-    out = subprocess.run([sys.executable, "-c", EXITS], capture_output=True, text=True,
-                         cwd=HERE, env=ENV, timeout=120)
-    assert out.returncode == 0 and out.stdout.split() == ["0"], (out.stdout, out.stderr[-2000:])

@@ -275,7 +275,8 @@ def predict_cluster(args, psi, world, cluster):
                               (8 if ckpt else 6) * psi * tokens / c.flops,
                               32 * psi / (G if stage else 1) / c.memory_bw, k, 2, 4)
                 fits = state + act <= c.gpu_memory
-                rows.append((stage, G, ckpt, fits, world * tokens * k / t["step"], t))
+                rows.append((stage, G, ckpt, fits, world * tokens * k / t["step"], t,
+                             state + act))
                 print(f"{stage:<6}{G:>5} {'yes' if ckpt else 'no':>5} {_si(state):>7}B "
                       f"{_si(act):>7}B {_si(state + act):>7}B {'yes' if fits else 'NO':>5} "
                       + " ".join(f"{_ms(t[key]):>8}" for key in ("compute", "comm", "exposed",
@@ -296,8 +297,8 @@ def predict_cluster(args, psi, world, cluster):
         print("verdict: no stage fits in gpu_memory, with or without checkpointing: memory "
               "binds (more ranks, or a smaller micro-batch)")
         return rows
-    best = max(fitting, key=lambda r: r[4])
-    stage, G, ckpt, _, tps, t = best
+    best = max(fitting, key=lambda r: (r[4], -r[6]))  # of equal speed, the least memory
+    stage, G, ckpt, _, tps, t, _ = best
     binds = "communication (exposed " + f"{t['exposed'] / t['step']:.0%} of the step)" \
         if t["exposed"] > t["compute"] / 2 else "compute"
     lighter = [r for r in rows if not r[3] and r[4] > tps]

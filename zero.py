@@ -1639,6 +1639,33 @@ class Progress:
         return 0
 
 
+def check_fits(args, world, device):
+    """A demo model this machine cannot hold is refused in one line, before it is built: its
+    model state by the stage's formula and its logits (a floor, not a forecast), on each rank,
+    beyond the memory there is (CPU: what is available, shared by the local ranks; a GPU's own)."""
+    with torch.device("meta"):  # Ψ grows by one block's parameters per block
+        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n, args.n_head)
+                        .parameters()) for n in (1, 2))
+    psi = one + (args.n_layer - 1) * (two - one)
+    need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args),
+                              args.shard_size).values()) + 8 * args.batch_size * args.seq_len * 256
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+        ranks = -(-ranks // torch.cuda.device_count())  # the ranks that share this GPU
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                have = next(int(line.split()[1]) * 1024 for line in f
+                            if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):  # not Linux: no floor to hold the model against
+            return
+    if need * ranks > have:
+        raise UsageError(f"this model needs at least {_si(need)}B per rank (its model state by "
+                         f"stage {args.stage}'s formula, Ψ = {psi:,}, and its logits), "
+                         f"{ranks} rank(s) here: more than the {_si(have)}B there is")
+
+
 def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16, else fp32 AdamW
     return (2, 2, 12) if args.bf16 else (4, 4, 8)
 
@@ -1650,6 +1677,7 @@ def train(args, build=None, keep_params=False, quiet=False):
     FSDP2). args.ckpt_dir: one job per directory, checked first. Out of memory (--max-memory's or
     a real one): OutOfMemory, one line naming the rank, where (Progress), the stage's formula."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
+    check_fits(args, world, device)
     watch = args.max_memory and device.type == "cpu"  # the data size too (memory.py)
     progress = _memory().Watch() if watch else Progress()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
@@ -1986,8 +2014,11 @@ def check_args(args):
         if bad:
             raise UsageError(message)
     if args.seq_len > size - 2:  # a row is seq_len + 1 bytes
-        raise UsageError(f"--seq-len {args.seq_len} is longer than the data allows: at most "
-                         f"{size - 2} ({args.data or 'corpus()'} has {size} bytes)")
+        raise UsageError(f"--data {args.data} has {size} bytes: too few for a row" if size < 3
+                         else f"--seq-len {args.seq_len} is longer than the data allows: at "
+                         f"most {size - 2} ({args.data or 'corpus()'} has {size} bytes)")
+    if args.resume_from and not os.path.exists(args.resume_from):
+        raise UsageError(f"--resume-from {args.resume_from}: no such file or directory")
     return args
 
 
@@ -2079,7 +2110,7 @@ def run(main, argv=None):
         # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in (
                 "gloo/transport", "Connection reset", "Connection closed", "Timed out",
-                "timed out", "NCCL")):
+                "timed out", "timeout", "pair closure", "NCCL")):
             raise
         code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
                          "rank is gone or --timeout passed "
