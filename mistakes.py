@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, inspect, io, json, os, textwrap, time
+import collections, contextlib, functools, inspect, io, json, os, textwrap, time, types
 from datetime import timedelta
 
 import torch
@@ -131,12 +131,13 @@ def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (
     return t.item() / dist.get_world_size()
 
 
-def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True):
+def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True,
+          mean=mean_over_ranks):
     """The right loop (zero.py's interface), for every mistake in the algorithm: this rank's
     rows, backward (all micro-batches but the last under no_sync()), clip, step, zero_grad. A
     mistake in the loop hands in its own lines, loss(model, x, y) of the global batch (x, y),
     or leaves out zero_grad (zero_grad=False). Returns the loss of the global batch at each
-    step."""
+    step (mean: of this rank's loss; the reference, one process, hands in its own)."""
     losses = []
     for step in range(steps):
         total = 0.0
@@ -145,7 +146,7 @@ def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, z
             with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 mine = loss(model, x, y) / accum
                 mine.backward()
-            total += mean_over_ranks(mine)
+            total += mean(mine)
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -155,51 +156,45 @@ def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, z
     return losses
 
 
-Run = collections.namedtuple("Run", "model opt losses")
+Run = collections.namedtuple("Run", "model opt losses gap distance")
 
 
 def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=rank_mean,
             masked=False, zero_grad=True, **options):
     """A fresh model (the same weights every time) and its optimizer cls(model, optimizer,
-    **options), trained for `steps`: a Run (model, opt, the losses)."""
+    **options), trained for `steps`: a Run (model, opt, the losses), measured against the
+    reference of the same settings (the global batch's: a loss of the mistake's own lines, or
+    zero_grad=False, is measured against the right loop's): its loss gap and distance."""
     model = build(dtype=dtype)
     opt = cls(model, optimizer, **options)
-    return Run(model, opt, train(model, opt, steps, clip, accum, loss, masked, zero_grad))
+    losses = train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    ref = reference(optimizer, steps, clip, accum, masked, dtype=dtype)
+    gap = max(abs(a - b) for a, b in zip(losses, ref.losses))
+    return Run(model, opt, losses, gap, distance(opt, ref.params))
 
 
 Reference = collections.namedtuple("Reference", "losses params")
 
 
 @functools.lru_cache(maxsize=None)
-def reference(optimizer, world, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
+def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
     """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
-    model, a plain torch optimizer. Returns a Reference: the loss at each step, and
-    {name: parameter} after the last."""
+    model, a plain torch optimizer, in the same loop: train(). Returns a Reference: the loss at
+    each step, and {name: parameter} after the last."""
     model = build(dtype=dtype)
     opt = optimizer(model.parameters())
-    keep = rows(only) if only is not None else slice(None)
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for micro in range(accum):
-            x, y = batch(step, world, micro, masked)
-            loss = loss_of(model, x[keep], y[keep]) / accum
-            loss.backward()
-            total += loss.item()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    # It, in the loop's interface (zero.py's): one process has no ranks to sync; torch's clipping
+    plain = types.SimpleNamespace(no_sync=contextlib.nullcontext, step=opt.step,
+                                  zero_grad=opt.zero_grad, clip_grad_norm_=functools.partial(
+                                      nn.utils.clip_grad_norm_, list(model.parameters())))
+    keep = rows(only) if only is not None else slice(None)  # every row: the global batch
+    losses = train(model, plain, steps, clip, accum, masked=masked, mean=torch.Tensor.item,
+                   loss=lambda model, x, y: loss_of(model, x[keep], y[keep]))
     return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
 # ----------------------------------------------------------------------------------------------
 # What is measured
-
-def loss_gap(losses, ref_losses):
-    return max(abs(a - b) for a, b in zip(losses, ref_losses))
-
 
 def distance(opt, ref_params):
     """The largest difference of any parameter from the reference's (full_state_dict: the values
@@ -212,8 +207,8 @@ def spread(model):
     """The replicas: the largest difference between two ranks' copies of one parameter, the
     values each rank computes with (stages 0-2 keep whole parameters). 0: the ranks agree."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    every = torch.empty(dist.get_world_size(), mine.numel(), dtype=mine.dtype)
-    zero.all_gather(every.view(-1), mine)  # [N, numel]: every rank's copy
+    # [N, numel]: every rank's copy (zero.py's _all_ranks: one all-gather, in rank order)
+    every = torch.tensor(zero._all_ranks(mine.tolist(), "cpu", mine.dtype), dtype=mine.dtype)
     return (every.amax(0) - every.amin(0)).max().item()
 
 
@@ -222,13 +217,11 @@ def peak_bytes(wrong, right, kind, steps, accum=1):
     their distances to the reference (detail: both train right); the note: the formula's bytes,
     at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
     bytes a parameter, 8 a gradient, 16 of m and v)."""
-    ref = reference(ADAMW, dist.get_world_size(), steps, accum=accum).params
-    out = {}
-    for name, cls in [("wrong", wrong), ("right", right)]:
-        opt = trained(cls, steps, accum=accum).opt
-        out[name], out[name + "_distance"] = opt.peak[kind], distance(opt, ref)
+    wrong, right = (trained(cls, steps, accum=accum) for cls in (wrong, right))
+    out = {"wrong": wrong.opt.peak[kind], "right": right.opt.peak[kind],
+           "wrong_distance": wrong.distance, "right_distance": right.distance}
     (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
-    formula = {s: zero.memory_formula(s, opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
+    formula = {s: zero.memory_formula(s, right.opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
                for s in (stage, fallen)}
     out["note"] = (f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units {extra}),"
                    f" stage {fallen} {formula[fallen]:,.0f} B")
@@ -274,26 +267,21 @@ def mistake(stages, stage, measure, where):
 class NoDivide(zero.ZeRO1):
     """ZeRO1 whose step forgets to divide the reduced gradient by N."""
 
-    def _reduce_grads(self):
-        if not self._reduced:
-            zero.DataParallel._reduce_grads(self)  # reduce-scatter: the shard holds the sum
-            for unit in self.units:  # (DataParallel's, not super(): ZeRO1's would divide)
-                pass  # WRONG: ZeRO1 divides here, unit.grad_shard.div_(self.N): the sum -> the mean
+    def _reduce_grads(self):  # DataParallel's, not super(): ZeRO1's divides
+        zero.DataParallel._reduce_grads(self)  # reduce-scatter: the shard holds the sum
+        # WRONG: ZeRO1 then divides, unit.grad_shard.div_(self.N) for each unit: the sum -> the mean
 
 
 def no_divide(optimizer, steps):
-    ref = reference(optimizer, dist.get_world_size(), steps)
-    out, losses = {}, {"reference": ref.losses}
-    for name, cls in [("wrong", NoDivide), ("right", zero.ZeRO1)]:
-        # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
-        run = trained(cls, steps, optimizer)
-        losses[name], out[name] = run.losses, loss_gap(run.losses, ref.losses)
-        out[name + "_distance"] = distance(run.opt, ref.params)
-    out["detail"] = [f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
-                     for label, values in losses.items()]
-    out["detail"] += [f"parameters' distance to the reference: wrong {out['wrong_distance']:.2e}, "
-                      f"right {out['right_distance']:.2e}"]
-    return out
+    # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
+    wrong, right = trained(NoDivide, steps, optimizer), trained(zero.ZeRO1, steps, optimizer)
+    losses = {"reference": reference(optimizer, steps).losses, "wrong": wrong.losses,
+              "right": right.losses}
+    return {"wrong": wrong.gap, "right": right.gap, "detail": [
+        *(f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
+          for label, values in losses.items()),
+        f"parameters' distance to the reference: wrong {wrong.distance:.2e}, "
+        f"right {right.distance:.2e}"]}
 
 
 @mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
@@ -379,7 +367,7 @@ def different_seeds(quick):
     """Each rank built its own random weights. The mean gradient moves every replica alike,
     so they never meet. wrap() broadcasts rank 0's (stages 1-2: the all-gather after the
     step would hide it, every rank then holding a patchwork of the ranks' inits)."""
-    out = {}
+    out = {"guard": "wrap() broadcasts rank 0's weights: with it, ranks' seeds do not matter"}
     for name in ("wrong", "right"):
         model = build(seed=dist.get_rank())  # the mistake: a seed per rank
         opt = zero.wrap(model, 0, ADAMW)  # broadcasts rank 0's weights to every rank
@@ -391,7 +379,6 @@ def different_seeds(quick):
             model.load_state_dict(build(seed=dist.get_rank()).state_dict())
         train(model, opt, 2 if quick else STEPS)
         out[name] = spread(model)
-    out["guard"] = "wrap() broadcasts rank 0's weights: with it, ranks' seeds do not matter"
     return out
 
 
@@ -406,15 +393,9 @@ class NoGatherAfterStep(zero.ZeRO1):
 def no_gather_after_step(quick):
     """Each rank updated only its own shard; the rest of its parameters are stale and differ
     from rank to rank. The replicas drift apart, and every forward computes with a mix."""
-    steps = 3 if quick else STEPS
-    ref = reference(ADAMW, dist.get_world_size(), steps)
-    out = {}
-    for name, cls in [("wrong", NoGatherAfterStep), ("right", zero.ZeRO1)]:
-        run = trained(cls, steps)
-        out[name], out[name + "_gap"] = spread(run.model), loss_gap(run.losses, ref.losses)
-    out["detail"] = [f"loss gap to the reference, max: wrong {out['wrong_gap']:.2e}, right "
-                     f"{out['right_gap']:.1e}"]
-    return out
+    wrong, right = (trained(cls, 3 if quick else STEPS) for cls in (NoGatherAfterStep, zero.ZeRO1))
+    return {"wrong": spread(wrong.model), "right": spread(right.model), "detail": [
+        f"loss gap to the reference, max: wrong {wrong.gap:.2e}, right {right.gap:.1e}"]}
 
 
 # --- the step: clipping, and parameters without a gradient ------------------------------------
@@ -423,19 +404,16 @@ class LocalClip(zero.ZeRO1):
     """ZeRO1 that clips each rank's shard by that shard's own norm."""
 
     def _sum_of_squares(self):
-        squares = zero.DataParallel._sum_of_squares(self)  # this rank's [S] shards' squares
         # WRONG: ZeRO1 adds up every rank's: dist.all_reduce(squares, group=self.group)
-        return squares
+        return zero.DataParallel._sum_of_squares(self)  # this rank's [S] shards' squares
 
 
 @mistake("1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares")
 def local_clip(quick):
     """The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and
     differs: each shard is scaled by its own factor, the update points somewhere else."""
-    steps = 3 if quick else STEPS
     # float32 here: zero.py's clip_grad_norm_ takes the norm in float32, of float32 gradients
-    ref = reference(SGD, dist.get_world_size(), steps, clip=0.05, dtype=torch.float32).params
-    return {name: distance(trained(cls, steps, SGD, torch.float32, clip=0.05).opt, ref)
+    return {name: trained(cls, 3 if quick else STEPS, SGD, torch.float32, clip=0.05).distance
             for name, cls in [("wrong", LocalClip), ("right", zero.ZeRO1)]}
 
 
@@ -456,7 +434,7 @@ def step_without_gradient(quick):
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
     out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    ref = reference(ADAMW, dist.get_world_size(), steps).params
+    ref = reference(ADAMW, steps).params
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
                      f"{(ref['aux.weight'] - before).abs().max().item():.1e}"]
     return out
@@ -469,15 +447,13 @@ def step_without_gradient(quick):
 def same_batch(quick):
     """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
     exactly like one process on that batch, not like the global batch."""
-    world, steps = dist.get_world_size(), 3 if quick else STEPS
-    ref = reference(SGD, world, steps).params
-    ref_one = reference(SGD, world, steps, only=0).params  # one process on rank 0's rows alone
-    out = {}
+    steps = 3 if quick else STEPS
+    ref_one = reference(SGD, steps, only=0).params  # one process on rank 0's rows alone
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
-    for name, loss in [("wrong", lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)])),
-                       ("right", rank_mean)]:
-        opt = trained(zero.ZeRO1, steps, SGD, loss=loss).opt
-        out[name], out[name + "_one"] = distance(opt, ref), distance(opt, ref_one)
+    wrong, right = (trained(zero.ZeRO1, steps, SGD, loss=loss) for loss in [
+        lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)]), rank_mean])
+    out = {"wrong": wrong.distance, "right": right.distance,  # to the global batch's reference
+           "wrong_one": distance(wrong.opt, ref_one), "right_one": distance(right.opt, ref_one)}
     out["detail"] = [f"distance to one process on rank 0's rows alone: wrong "
                      f"{out['wrong_one']:.1e}, right {out['right_one']:.2e}"]
     return out
@@ -489,7 +465,6 @@ def token_mean_per_rank(quick):
     """Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short
     batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
-    ref = reference(SGD, world, steps, masked=True).params  # the mean over every token
 
     def token_sum(model, x, y):  # the sum over this rank's tokens / the global count; x N:
         x, y = x[rows(dist.get_rank())], y[rows(dist.get_rank())]  # zero.py divides by N
@@ -497,12 +472,12 @@ def token_mean_per_rank(quick):
         dist.all_reduce(tokens)
         return loss_of(model, x, y, reduction="sum") * world / tokens
 
-    # WRONG: rank_mean, the loop's loss: the mean over this rank's tokens
-    out = {name: distance(trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True).opt, ref)
+    # WRONG: rank_mean, the loop's loss: the mean over this rank's tokens. (The reference's:
+    # the mean over every token.)
+    out = {name: trained(zero.ZeRO1, steps, SGD, loss=loss, masked=True).distance
            for name, loss in [("wrong", rank_mean), ("right", token_sum)]}
-    _, y = batch(0, world, masked=True)
-    counts = [int((y[rows(r)] != -100).sum()) for r in range(world)]
-    out["detail"] = [f"tokens per rank: {counts}"]
+    y = batch(0, world, masked=True)[1]
+    out["detail"] = [f"tokens per rank: {[int((y[rows(r)] != -100).sum()) for r in range(world)]}"]
     return out
 
 
@@ -511,10 +486,8 @@ def token_mean_per_rank(quick):
 def bf16_reduce(quick):
     """Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3
     digits before it is summed, and the sum again: every step is off. Reduce in fp32."""
-    steps = 3 if quick else STEPS
-    ref = reference(ADAMW, dist.get_world_size(), steps).params
     # (zero.ZeRO2(model, ...) as zero.wrap(model, 2, ...) builds it)
-    return {name: distance(trained(zero.ZeRO2, steps, reduce_dtype=dtype).opt, ref)
+    return {name: trained(zero.ZeRO2, 3 if quick else STEPS, reduce_dtype=dtype).distance
             for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
 
 
@@ -527,12 +500,9 @@ def optimizer_before_wrap(quick):
     out = {}
     for name in ("wrong", "right"):
         model = build()
-        if name == "wrong":
-            optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)  # WRONG: before wrap()
-        opt = zero.wrap(model, 2, ADAMW)
-        if name == "right":
-            optimizer = opt  # the optimizer wrap() returns: it steps the shards
-        train(model, optimizer, 2 if quick else 3)
+        plain = torch.optim.AdamW(model.parameters(), lr=0.02)  # a torch optimizer, before wrap()
+        opt = zero.wrap(model, 2, ADAMW)  # the optimizer wrap() returns: it steps the shards
+        train(model, plain if name == "wrong" else opt, 2 if quick else 3)  # WRONG: plain
         out[name] = distance(opt, before)
     return out
 
@@ -545,16 +515,14 @@ def state_dict_at_stage_3(quick):
     read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them."""
     out = {}
     for name in ("guard", "wrong", "right"):
-        model, opt, _ = trained(zero.ZeRO3, 1)
-        full = opt.full_state_dict()  # {name: tensor}: the shards gathered
+        model, opt, *_ = trained(zero.ZeRO3, 1)
         if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
             for p in model.parameters():
                 p.__class__ = nn.Parameter
         file = io.BytesIO()
-        try:  # WRONG: model.state_dict(), the model's own, at stage 3
-            torch.save(full if name == "right" else model.state_dict(), file)
-            loaded = torch.load(io.BytesIO(file.getvalue()))
-            out[name] = max((loaded[n] - full[n]).abs().max().item() for n in full)
+        try:  # WRONG: model.state_dict(), the model's own, at stage 3 (right: the shards gathered)
+            torch.save(opt.full_state_dict() if name == "right" else model.state_dict(), file)
+            out[name] = distance(opt, torch.load(io.BytesIO(file.getvalue())))  # loaded back
         except RuntimeError as e:
             saved = len(file.getvalue())  # 0 where the guard refused to read the model
             out[name] = (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
@@ -571,7 +539,7 @@ def eval_on_rank_0(quick):
     x, y = batch(99, dist.get_world_size())
     out = {"wrong": "(rank 0 evaluated alone)"}  # on the other ranks
     for name in ("wrong", "right"):
-        model, opt, _ = trained(zero.ZeRO3, 1)
+        model, opt, *_ = trained(zero.ZeRO3, 1)
         # A group of its own with a short timeout (made by every rank, as new_group must be), so
         # that the wait ends: zero.py's stage 3 runs its collectives on opt.group.
         opt.group = dist.new_group(timeout=timedelta(seconds=1 if quick else HANG_S))
@@ -579,9 +547,8 @@ def eval_on_rank_0(quick):
         try:
             # WRONG: `if rank == 0:` evaluates on rank 0 alone
             if name == "right" or dist.get_rank() == 0:
-                with torch.no_grad():
-                    loss = loss_of(model, x, y)
-                    out[name] = mean_over_ranks(loss) if name == "right" else loss.item()
+                with torch.no_grad():  # (every rank the same global batch: the same loss)
+                    out[name] = loss_of(model, x, y).item()
         except RuntimeError as e:  # gloo's message starts with its source file: keep the end
             said = str(e).strip().splitlines()[0].split("] ")[-1]
             out[name] = (f"hang: rank 0 waited in an all-gather no other rank made, ended by the "
@@ -626,11 +593,9 @@ class NoBackwardAfterStepCheck(zero.ZeRO1):
 def no_zero_grad(quick):
     """Without zero_grad() each backward adds to the last step's averaged gradient, which
     keeps pushing: every past step is applied again. zero.py refuses that backward."""
-    steps = 3 if quick else STEPS
-    ref = reference(SGD, dist.get_world_size(), steps).params
     # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
-    return {name: outcome(lambda: distance(
-                trained(cls, steps, SGD, zero_grad=name == "right").opt, ref))
+    return {name: outcome(lambda: trained(cls, 3 if quick else STEPS, SGD,
+                                          zero_grad=name == "right").distance)
             for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
                               ("right", zero.ZeRO1)]}
 
