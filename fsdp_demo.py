@@ -61,7 +61,7 @@ plus a manifest, resharded when loaded; each side continues the other's, Torch.l
 below and checkpoints.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
-import argparse, contextlib, gc, math, statistics, time, warnings
+import argparse, contextlib, gc, math, statistics, time
 from collections import Counter
 
 import torch
@@ -97,10 +97,10 @@ def parallelize(model, args, device):
         materialize(model, args, device)
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
         net = DDP(model, gradient_as_bucket_view=True)
-        if args.stage == 0:  # zero.DataParallel
-            return net, zero.adamw(args)(model.parameters())
-        return net, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                            lr=args.lr, weight_decay=0.1)  # zero.ZeRO1
+        # zero.ZeRO1: zero.py's AdamW (zero.adamw) in each owner rank's ZeroRedundancyOptimizer;
+        # zero.DataParallel: the same AdamW on every rank
+        return net, (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=zero.adamw(args))
+                     if args.stage == 1 else zero.adamw(args)(model.parameters()))
 
     # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root,
     # on the meta device: fully_shard only records shapes there, and to_empty() (materialize)
@@ -120,12 +120,13 @@ def parallelize(model, args, device):
 
 def materialize(model, args, device):
     """PyTorch's recipe for a model built on the meta device: to_empty() allocates it (FSDP2:
-    this rank's shards only), an init fills it, and set_model_state_dict loads a full state_dict
-    that rank 0 alone holds and broadcasts (broadcast_from_rank0), each rank keeping its shards.
-    The init alone would not give zero.py's weights: FSDP2's init runs on each rank's local
-    shards, which draw their random numbers from the same generator state, not from one stream
-    over the whole tensor. So rank 0's state_dict is the --init-from file, or the weights that
-    zero.wrap(init=GPT.init_weights) gives: the same model, initialized whole in one process."""
+    this rank's shards only), and set_model_state_dict loads a full state_dict that rank 0 alone
+    holds and broadcasts (broadcast_from_rank0), each rank keeping its shards: every tensor.
+    An init on each rank (model.apply(GPT.init_weights)) would not give zero.py's weights, and
+    is not run: FSDP2's init runs on each rank's local shards, which draw their random numbers
+    from the same generator state, not from one stream over the whole tensor. So rank 0's
+    state_dict is the --init-from file, or the weights that zero.wrap(init=GPT.init_weights)
+    gives: the same model, initialized whole in one process."""
     # Gotcha: to_empty() gives each module a new Parameter for its meta one, so a parameter that
     # two modules share (the head tied to the embedding) becomes two. With this switch it swaps
     # the new tensor's contents into the same Parameter object instead (swap_tensors): ties stay.
@@ -135,10 +136,6 @@ def materialize(model, args, device):
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
-    torch.manual_seed(args.seed)
-    with warnings.catch_warnings():  # on CPU torch warns that DTensor's random init is not
-        warnings.filterwarnings("ignore", message="DTensor random operators")  # one stream:
-        model.apply(zero.GPT.init_weights)  # known (above), and overwritten below
     full = {}  # rank 0's, for every rank
     if dist.get_rank() == 0 and args.init_from:
         full = checkpoints.read_state_dict(args.init_from)
@@ -186,18 +183,16 @@ class CommCounter(TorchDispatchMode):
         # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first
         # and reduce-scatter's input second; the op's ProcessGroup argument is the ring
         name = func.overloadpacket.__name__.replace("_", "")
-        for key, kind, times in self.KINDS if func.namespace == "c10d" else []:
-            if name.startswith(key):  # "reducescatter" is matched before "reduce"
-                data = args[1] if key == "reducescatter" else args[0]
-                full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
-                group = next(a for a in args if isinstance(a, torch.ScriptObject)
-                             and a._type().name() == "ProcessGroup")
-                ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(group))
-                n = len(ranks)
-                if kind == "all_reduce" and n > 1 and ranks[1] - ranks[0] > 1:
-                    kind = "all_reduce across groups"  # hybrid: ranks G apart, one per group
-                self.comm[kind] += times * (n - 1) * full / n
-                break
+        kinds = [k for k in self.KINDS if name.startswith(k[0])] if func.namespace == "c10d" else []
+        for key, kind, times in kinds[:1]:  # the first: "reducescatter" is matched before "reduce"
+            data = args[1] if key == "reducescatter" else args[0]
+            full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
+            group = next(a for a in args if isinstance(a, torch.ScriptObject)
+                         and a._type().name() == "ProcessGroup")
+            ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(group))
+            if kind == "all_reduce" and len(ranks) > 1 and ranks[1] - ranks[0] > 1:
+                kind = "all_reduce across groups"  # hybrid: ranks G apart, one per group
+            self.comm[kind] += times * (len(ranks) - 1) * full / len(ranks)
         return func(*args, **(kwargs or {}))
 
 

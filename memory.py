@@ -16,7 +16,7 @@ What it uses of zero.py: train() and its Progress, the Meter's records (meter.ti
 formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
 check_args). zero.py imports this file at the flags that need it.
 """
-import argparse, bisect, contextlib, os, signal, socket, sys, time
+import argparse, bisect, contextlib, os, pathlib, signal, socket, sys, time
 from collections import namedtuple
 from html import escape
 from itertools import accumulate
@@ -36,23 +36,19 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-MIN_MEMORY = 10**6  # below it a thread the runtime starts can abort the process (glibc)
-
-
 def memory_size(text):
     """--max-memory's type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes, at least
-    MIN_MEMORY: what threads the runtime still starts need (their stacks count)."""
+    1MB: what threads the runtime still starts need (their stacks count; below it one can abort
+    the process, in glibc). Not positive (or NaN) is below it too."""
     number = text.strip().rstrip("BbIiKkMmGgTt ")
     try:
         size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
-    if not 0 < size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive" if not size > 0 else
-                                          f"{text!r} is too large (at most 4EiB)")
-    if size < MIN_MEMORY:
-        raise argparse.ArgumentTypeError(f"{text} leaves no room for the threads the runtime "
-                                          "still starts (their stacks count): at least 1MB")
+    if not 10**6 <= size < 2**62:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 4EiB)" if size >= 2**62
+                                         else f"{text} leaves no room for the threads the runtime "
+                                         "still starts (their stacks count): at least 1MB")
     return int(size)
 
 
@@ -91,13 +87,10 @@ def limit_memory(size, device, watch=None):
         ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
     try:
-        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)  # (RLIM_INFINITY is -1: no min)
         new = _sizes()["VmData"] + size
-        if hard != resource.RLIM_INFINITY:
-            new = min(new, hard)
-        resource.setrlimit(resource.RLIMIT_DATA, (new, hard))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM, the peak resident size, starts again from here
+        resource.setrlimit(resource.RLIMIT_DATA, (new if hard == resource.RLIM_INFINITY
+                                                  else min(new, hard), hard))
         if watch is not None:
             watch.start()
         return _sizes()["VmRSS"]
@@ -114,8 +107,7 @@ def raise_if_out_of_memory(e, args, model, progress):
             "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
         return
     world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())
-    G = args.shard_size or world
-    need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args), G).values())
+    G, need = args.shard_size or world, _formula(args, args.stage, psi, world)
     raise OutOfMemory(
         f"rank {dist.get_rank()}: out of memory in " + f"step {progress.step}, " * bool(
             progress.step) + progress.what + (f" (--max-memory {_si(args.max_memory)}B)"
@@ -206,8 +198,8 @@ def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device
                                           args.n_head).parameters())
 
 
-def _formula(args, stage, psi):  # the model state per rank by the paper's formula, in bytes
-    return sum(memory_formula(stage, psi, args.world_size, *bytes_per_parameter(args),
+def _formula(args, stage, psi, world=None):  # the model state per rank by the formula, bytes
+    return sum(memory_formula(stage, psi, world or args.world_size, *bytes_per_parameter(args),
                               args.shard_size).values())
 
 
@@ -219,13 +211,11 @@ def largest_model(args):
     wall_guess() says where, from what the trials that fitted measured."""
     N, rows, walls, lo, t0, trials = args.world_size, [], [], 0, time.time(), 0
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
-    if not cuda:  # the trials run on CPU tensors, as choose_device would put them
-        free = _sizes("/proc/meminfo")["MemAvailable"]  # the N ranks share this machine's memory
-        if N * args.max_memory > free:
-            raise UsageError(f"--largest-model: {N} ranks x --max-memory "
-                             f"{_si(args.max_memory)}B is more than this machine's available "
-                             f"memory ({_si(free)}B): the kernel would stop the trials, not the "
-                             "limit")
+    # on CPU tensors (as choose_device would put them) the N ranks share this machine's memory
+    if not cuda and N * args.max_memory > (free := _sizes("/proc/meminfo")["MemAvailable"]):
+        raise UsageError(f"--largest-model: {N} ranks x --max-memory {_si(args.max_memory)}B is "
+                         f"more than this machine's available memory ({_si(free)}B): the kernel "
+                         "would stop the trials, not the limit")
     one, two = _psi(args, 1), _psi(args, 2)  # Ψ grows by one block's parameters per block
 
     def model_state(stage, layers):
@@ -605,8 +595,7 @@ def show_timeline(panels, path):
     """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
     if dist.get_rank() == 0:
         print("\n" + timeline_text(panels), flush=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(timeline_svg(panels))
+        pathlib.Path(path).write_text(timeline_svg(panels), encoding="utf-8")
         print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
 
 
