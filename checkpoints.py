@@ -17,7 +17,7 @@ zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpo
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
 --init-from.
 """
-import contextlib, functools, hashlib, itertools, json, math, os, shutil, stat, sys, warnings
+import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shutil, sys, warnings
 
 import torch
 import torch.distributed as dist
@@ -99,25 +99,24 @@ def load_own_part(zero, state):
             raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
                                   "this model at this stage and world size; for any other, use "
                                   "save_checkpoint() and load_checkpoint()")
-    parts = [state if r == q else None for r in range(zero.world)]
-    if zero.stage == 0 and zero.world > 1:
-        parts = _gather_parts(zero, state, None, range(zero.world))
-    elif zero.replica_group is not None:  # the other parts of this shard: its replicas wrote them
-        parts = _gather_parts(zero, state, zero.replica_group, range(zero.rank % zero.N,
-                                                                     zero.world, zero.N))
-    load_parts(zero, parts, state["layout"])
+    # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
+    # and with hybrid sharding its replicas (the ranks of its replica group)
+    ranks = range(zero.world) if zero.stage == 0 else range(zero.rank % zero.N, zero.world, zero.N)
+    load_parts(zero, _gather_parts(zero, state, ranks), state["layout"])
     for _, t in replicated(zero.model):  # only rank 0's part holds them
         dist.broadcast(t.data, src=0)
 
 
-def _gather_parts(zero, state, group, ranks):
-    """The parts of a state_dict that `ranks` (the ranks of `group`) wrote, all-gathered from
-    each one's own; None for the others."""
+def _gather_parts(zero, state, ranks):
+    """The parts of a state_dict that `ranks` (all, or this rank's replica group) wrote,
+    all-gathered from each one's own; None for the others."""
     device, parts = zero.units[0].flat.device, [None] * zero.world
 
     def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
+        if len(ranks) == 1:  # this rank's own part only
+            return t.view(1, -1)
         every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
-        all_gather(every, t.to(device), group=group)
+        all_gather(every, t.to(device), group=zero.replica_group)  # (stage 0: None, all ranks)
         return every.cpu().view(len(ranks), -1)
     units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
              for u in state["units"]]
@@ -243,11 +242,10 @@ def full_state_dict(zero):
     ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
     full = {}
     for unit in zero.units:  # one unit at a time: stage 3 never holds the whole model at once
-        if zero.stage == 0:
-            flat = unit.master  # [N*S]: every rank steps the whole unit
-        elif zero.stage < 3 and not zero.mixed_precision:
-            flat = unit.flat  # the flat buffer holds every rank's stepped shard
-        else:  # the masters are sharded: gather them
+        # stage 0: [N*S], every rank steps the whole unit; stages 1 and 2: the flat buffer holds
+        # every rank's stepped shard; stage 3, or fp32 masters of their own: gather them
+        flat = unit.master if zero.stage == 0 else unit.flat
+        if zero.stage == 3 or zero.stage > 0 and zero.mixed_precision:
             flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
             all_gather(flat, unit.master, group=zero.group)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
@@ -265,30 +263,25 @@ def load_full_state_dict(zero, state):
     pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
     (floating or not) must fit the model; a tied parameter needs one of its names."""
     want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    key_of = {}  # the model's tensor -> its first key in the state_dict (a tied one has two)
-    for key, t in want.items():
-        if key in state:
-            key_of.setdefault(t, key)
-    problem = next((f"no {key!r} in it" for key, t in want.items() if t not in key_of),
-                   next((f"{key!r} is not in the model" for key in state if key not in want), None))
-    for t, key in key_of.items():
-        s = state[key]
-        if problem is None and (not torch.is_tensor(s) or s.shape != t.shape or
-                                s.is_floating_point() != t.dtype.is_floating_point):
-            problem = (f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} "
-                       f"{t.dtype} here" if torch.is_tensor(s) else f"{key!r} is not a tensor")
+    # the model's tensor -> its first key in the state_dict (a tied one has two)
+    key_of = {t: key for key, t in reversed(want.items()) if key in state}
+    problem = next(filter(None, itertools.chain(  # the first problem: a key, a shape, a dtype
+        (f"no {key!r} in it" for key, t in want.items() if t not in key_of),
+        (f"{key!r} is not in the model" for key in state if key not in want),
+        (f"{key!r} is not a tensor" if not torch.is_tensor(s := state[key]) else
+         f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} {t.dtype} here"
+         if s.shape != t.shape or s.is_floating_point() != t.dtype.is_floating_point else None
+         for t, key in key_of.items()))), None)
     if problem:
         raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
                          f"{problem}")
     with torch.no_grad():
         for u in zero.units:
-            lo, S = u.my_slice.start, u.my_slice.stop - u.my_slice.start
-            mine = torch.zeros(S, dtype=u.master.dtype, device=zero.device)  # padding 0
-            for p in u.params:
-                a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + S)
-                if a < b:  # p has elements in this rank's shard: read just those
-                    flat = state[key_of[p]].reshape(-1)  # a view of the (mapped) file's tensor
-                    mine[a - lo:b - lo] = flat[a - u.offset[p]:b - u.offset[p]]
+            # this rank's shard of the unit, the parameters end to end: of each (a view of the
+            # mapped file's tensor) just the elements in it are read; then the padding, 0
+            mine = torch.zeros(u.S, dtype=u.master.dtype, device=zero.device)
+            own = _slice_of([state[key_of[p]].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+            mine[:len(own)] = own
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
@@ -335,7 +328,7 @@ def _atomic_write(path, write):
             os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
         os.replace(tmp, path)
     except BaseException:
-        _remove_quietly(tmp)
+        pathlib.Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(os.path.dirname(path))  # and so is the rename
 
@@ -346,13 +339,11 @@ def _exchange(a, b):
     system has no such call: two renames, between which b is briefly missing (its old contents
     whole at a)."""
     import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if hasattr(libc, "renameat2"):
-        AT_FDCWD, RENAME_EXCHANGE = -100, 2
-        if libc.renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-            return
-        if ctypes.get_errno() not in (22, 38):  # EINVAL, ENOSYS: not here; else a real error
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), b)
+    libc, AT_FDCWD, RENAME_EXCHANGE = ctypes.CDLL(None), -100, 2
+    if hasattr(libc, "renameat2") and libc.renameat2(
+            AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return
+    # (a file system or kernel without it, EINVAL or ENOSYS; any real error, the renames raise)
     os.rename(b, a + ".old")
     os.rename(a, b)
     os.rename(a + ".old", a)
@@ -366,21 +357,12 @@ def _commit(tmp, path, marker, info, keep=None):
     is complete, and the old one, now at tmp, goes. A rotation that fails leaves more
     checkpoints, never fewer: not an error."""
     _atomic_write(os.path.join(tmp, marker), lambda f: f.write(_json_lines(info).encode()))
-    if os.path.exists(path):
-        _exchange(tmp, path)
-    else:
-        os.rename(tmp, path)
+    (_exchange if os.path.exists(path) else os.rename)(tmp, path)
     _fsync_dir(os.path.dirname(path))
     shutil.rmtree(tmp, ignore_errors=True)  # the old one, if it was swapped there
     if keep is not None:
         with contextlib.suppress(OSError, CheckpointError):
             _rotate(os.path.dirname(path), info["step"], keep)
-
-
-def _is_temporary(name):
-    """A name _atomic_write gives its temporary files: NAME.tmp<pid>."""
-    stem, _, pid = name.rpartition(".tmp")
-    return bool(stem) and pid.isascii() and pid.isdigit()
 
 
 def _fsync_dir(path):
@@ -392,11 +374,8 @@ def _fsync_dir(path):
 
 
 def _sha256(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _json_lines(d):  # a key a line
@@ -439,19 +418,11 @@ def choose_checkpoint(root, device):
     return None if step < 0 else os.path.join(root, f"step_{step:08d}")
 
 
-def _first_error(error, device):
-    """Every rank's error message ("": none) to every rank, in one small all-gather, and the first
-    of them, or "". What lets all ranks raise together: none is left waiting in a collective."""
-    rows = _all_ranks(list(error.encode()[:512].ljust(512, b"\0")), device, dtype=torch.uint8)
-    first = next((row for row in rows if any(row)), [])  # the first rank's that has one
-    return bytes(first).rstrip(b"\0").decode(errors="replace")
-
-
 @contextlib.contextmanager
 def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None):
     """Run the block on every rank, then agree: every rank's error (a UsageError's message, or
-    say(e) for an exception of the classes `catch`) goes to every rank (_first_error), and if
-    any rank had one, every rank runs undo() and raises kind(the first one). So all
+    say(e) for an exception of the classes `catch`) goes to every rank, in one small all-gather,
+    and if any rank had one, every rank runs undo() and raises kind(the first one). So all
     raise together: none is left waiting alone in a collective, and none goes on, to change
     anything or believing that what the block did is done, where another rank failed."""
     error = ""
@@ -461,8 +432,10 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None)
         error = str(e)
     except catch as e:
         error = say(e)
-    error = _first_error(error[:500], device)
-    if error:
+    # every rank's message ("": none), 512 bytes of it, to every rank
+    rows = _all_ranks(list(error.encode()[:512].ljust(512, b"\0")), device, dtype=torch.uint8)
+    first = next((row for row in rows if any(row)), [])  # the first rank's that has one
+    if error := bytes(first).rstrip(b"\0").decode(errors="replace"):
         undo()
         raise kind(error) from None
 
@@ -480,11 +453,10 @@ def _lock_holder(fd):
     """' (process PID)' if /proc/locks names the process that holds a flock on fd's file."""
     st = os.fstat(fd)
     file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    with contextlib.suppress(OSError, IndexError):
-        with open("/proc/locks") as f:  # 1: FLOCK  ADVISORY  WRITE 5833 fe:00:2146937 0 EOF
-            for fields in map(str.split, f):
-                if fields[1] == "FLOCK" and fields[5] == file:
-                    return f" (process {fields[4]})"
+    # /proc/locks: "1: FLOCK  ADVISORY  WRITE 5833 fe:00:2146937 0 EOF"
+    with contextlib.suppress(OSError, IndexError, StopIteration), open("/proc/locks") as f:
+        return next(f" (process {x[4]})" for x in map(str.split, f)
+                    if x[1] == "FLOCK" and x[5] == file)
     return ""
 
 
@@ -521,28 +493,19 @@ def ckpt_dir_lock(root, device):
         yield
 
 
-def _remove_quietly(path):
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
 def _rotate(root, step, keep):
     """Rank 0, after a save: delete the checkpoints, complete or not, older than the newest `keep`
     complete ones, but never the one just written (`step`, even if older), the temporary
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
     directories of saves killed midway (_partial: this one's is renamed by now)."""
-    found = sorted(_steps(root))
-    if not found:
-        return
+    found = sorted(_steps(root))  # (the one just written among them)
     for name in os.listdir(root):
-        s = _step_of(name)
-        partial = name.endswith(".partial") and _step_of(name[:-len(".partial")]) is not None
-        if partial or s is not None and s < min(found[-keep:]) and s != step:
+        s = _step_of(name.removesuffix(".partial"))
+        if s is not None and (name.endswith(".partial") or s < min(found[-keep:]) and s != step):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    for s in {*found[-keep:], step}:  # the ones kept
-        path = os.path.join(root, f"step_{s:08d}")
-        for name in filter(_is_temporary, os.listdir(path)):
-            _remove_quietly(os.path.join(path, name))
+    for s in {*found[-keep:], step}:  # the ones kept: _atomic_write's NAME.tmp<pid> files
+        for leftover in pathlib.Path(root, f"step_{s:08d}").glob("*.tmp[0-9]*"):
+            leftover.unlink()  # (an error ends the rotation, which _commit lets pass)
 
 
 def save_checkpoint(opt, root, step, extra=None, keep=2):
@@ -551,12 +514,11 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     is removed, and the checkpoints written before are as they were."""
     device = opt.units[0].flat.device
     path, tmp = _partial(root, step, device)
-    q = part_index(opt.rank, opt.world, opt.N)  # the part this rank writes: its rank, if G = N
-    name = os.path.join(tmp, f"rank_{q:05d}.pt")
+    # the part this rank writes: its rank, if G = N
+    name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
 
-    def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
-        if opt.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+    # if any rank failed (each is done writing by then): what this save wrote goes
+    undo = lambda: opt.rank == 0 and shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
 
     # (torch.save reports some failed writes as RuntimeError)
     with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
@@ -586,7 +548,7 @@ def _partial(root, step, device):
     path = os.path.join(root, f"step_{step:08d}")
     if dist.get_rank() == 0:
         shutil.rmtree(path + ".partial", ignore_errors=True)
-    _first_error("", device)  # (a barrier)
+    _all_ranks([0], device)  # (a barrier)
     return path, path + ".partial"
 
 
@@ -610,30 +572,27 @@ def _pair(x, first, second):  # [a, b], where first(a) and second(b)
 
 def _manifest_problem(m):
     """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
-    if not _count(m.get("step")):
-        return f"'step' is {m.get('step')!r}, not a step number"
-    if not (_count(m.get("stage")) and m["stage"] < 4):
-        return f"'stage' is {m.get('stage')!r}, not 0, 1, 2 or 3"
-    n, units, replicated = m.get("world_size"), m.get("units"), m.get("replicated")
-    if not _count(n, 1):
-        return f"'world_size' is {n!r}, not a number of ranks"
+    n, units, replicated, files = map(m.get, ("world_size", "units", "replicated", "files"))
+    for key, ok, want in [("step", _count(m.get("step")), "a step number"),
+                          ("stage", _count(m.get("stage")) and m["stage"] < 4, "0, 1, 2 or 3"),
+                          ("world_size", _count(n, 1), "a number of ranks")]:
+        if not ok:
+            return f"{key!r} is {m.get(key)!r}, not {want}"
     text = lambda x: isinstance(x, str)  # noqa: E731
     if not (isinstance(units, list) and all(isinstance(u, list) and all(
             _pair(p, text, _is_shape) for p in u) for u in units)):
         return "'units' is not a list, per unit, of [name, shape] (a shape: a list of ints >= 0)"
     if not (isinstance(replicated, dict) and all(map(_is_shape, replicated.values()))):
         return "'replicated' is not a dictionary {name: shape}"
-    psi = sum(math.prod(s) for u in units for _, s in u)
-    if m.get("psi") != psi:
+    if m.get("psi") != (psi := sum(math.prod(s) for u in units for _, s in u)):
         return f"'psi' is {m.get('psi')!r}, its units hold {psi} elements"
     names = {name for u in units for name, _ in u} | set(replicated)
     if not (isinstance(m.get("keys"), list) and all(
             _pair(k, text, lambda x: text(x) and x in names) for k in m["keys"])):
         return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
-    files = m.get("files")
     if not isinstance(files, dict) or not files:
         return "'files' is missing or empty"
-    if len(files) != n or set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:
+    if set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:  # (a dict's keys: each once)
         return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
                 f"not {', '.join(map(repr, sorted(files)))[:200]}")
     sha256 = lambda h: text(h) and len(h) == 64 and set(h) <= set("0123456789abcdef")  # noqa: E731
@@ -642,7 +601,6 @@ def _manifest_problem(m):
             return f"'files' entry {file}: not [size, sha256 in hex]"
     if not isinstance(m.get("extra"), dict):
         return "'extra' is missing or not a dictionary"
-    return None
 
 
 def _part_problem(part, r, manifest):
@@ -652,8 +610,7 @@ def _part_problem(part, r, manifest):
     if part.get("rank") != r:
         return (f"holds the part of rank {part.get('rank')!r}, not of rank {r} "
                 "(files swapped or renamed?)")
-    units = part.get("units")
-    if not isinstance(units, list) or len(units) != len(manifest["units"]):
+    if not isinstance(units := part.get("units"), list) or len(units) != len(manifest["units"]):
         return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
     for i, (unit, params) in enumerate(zip(units, manifest["units"])):
         size = -(-sum(math.prod(s) for _, s in params) // manifest["world_size"])
@@ -669,7 +626,6 @@ def _part_problem(part, r, manifest):
         return "'replicated' is not a dictionary of tensors"
     if r == 0 and {n: list(t.shape) for n, t in replicated.items()} != manifest["replicated"]:
         return "its frozen parameters and buffers are not the ones the manifest lists"
-    return None
 
 
 def _regular_size(file, missing):
@@ -679,7 +635,7 @@ def _regular_size(file, missing):
     except OSError as e:
         raise CheckpointError(f"{file}: " + (missing if isinstance(e, FileNotFoundError)
                                              else e.strerror)) from None
-    if not stat.S_ISREG(st.st_mode):
+    if not os.path.isfile(file):
         raise CheckpointError(f"{file}: not a regular file")
     return st.st_size
 
@@ -690,13 +646,11 @@ def _read_json(file, missing, format, problem):
     what is wrong (`missing`: what a missing file means)."""
     _regular_size(file, missing)
     try:
-        with open(file) as f:
-            d = json.load(f)
+        d = json.loads(pathlib.Path(file).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from None
-    if not isinstance(d, dict) or d.get("format") != format:
-        raise CheckpointError(f"{file}: not a {format!r} file")
-    if what := problem(d):
+    if what := (problem(d) if isinstance(d, dict) and d.get("format") == format
+                else f"not a {format!r} file"):
         raise CheckpointError(f"{file}: {what}")
     return d
 
@@ -860,8 +814,7 @@ def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
-    found = latest_checkpoint(path)
-    if found is None:
+    if (found := latest_checkpoint(path)) is None:
         raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
                               "DCP's .metadata), and no complete checkpoint in it")
     return found
@@ -969,21 +922,19 @@ def consolidate_command(args):
     """zero.py --consolidate DIR --out OUT: the format is OUT's name (.pt, .safetensors, .dcp or
     an existing directory, which must be empty or a DCP checkpoint). Bad input is a UsageError
     (or CheckpointError) before anything is written."""
-    out = args.out
-    if not out:
+    if not (out := args.out):
         raise UsageError("--consolidate needs --out FILE (.pt, .safetensors, or .dcp)")
     kind = "safetensors" if out.endswith(".safetensors") else "pt" if out.endswith(
         (".pt", ".pth")) else "dcp" if out.endswith((".dcp", os.sep)) or os.path.isdir(out) \
         else None
     where = os.path.dirname(out.rstrip(os.sep)) or "."
-    if kind is None:
-        raise UsageError(f"--out {out}: name a .pt or .safetensors file, or a .dcp directory")
-    if os.path.isdir(out) and kind != "dcp":
-        raise UsageError(f"--out {out}: is a directory")
-    if os.path.isdir(out) and os.listdir(out) and not is_dcp(out):
-        raise UsageError(f"--out {out}: a directory that is neither empty nor a DCP checkpoint")
-    if not os.path.isdir(where):
-        raise UsageError(f"--out {out}: no directory {where}")
+    problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
+               "is a directory" if os.path.isdir(out) and kind != "dcp" else
+               "a directory that is neither empty nor a DCP checkpoint"
+               if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
+               f"no directory {where}" if not os.path.isdir(where) else None)
+    if problem:
+        raise UsageError(f"--out {out}: {problem}")
     if not os.path.isdir(args.consolidate):
         raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
             args.consolidate) else "no such directory") + ": --consolidate takes a "
