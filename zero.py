@@ -565,17 +565,13 @@ def wrap(model, stage, optimizer, **options):
 # ----------------------------------------------------------------------------------------------
 # Distributed set-up: torchrun puts RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR... in the environment
 
-# Imported with zero, before any process group exists: torch.distributed.nn's functions take
-# `group=group.WORLD` as a default, evaluated as the module is imported, and torch imports it
-# lazily (torch._dynamo, when the first optimizer is built). Imported after init_process_group,
-# those defaults would keep the group alive past destroy_process_group(), and gloo's threads with
-# it into the interpreter's exit, where one that lets go of a collective's last tensor aborts a
-# run that succeeded ("terminate called without an active exception"). So: import zero first.
+# Imported before any process group: torch.distributed.nn's functions default to group.WORLD,
+# evaluated at import (torch imports it lazily); after init_process_group, that keeps gloo alive
+# into the interpreter's exit, aborting a run that succeeded ("terminate called without...").
 import torch.distributed.nn  # noqa: F401,E402
 
 def setup(backend=None, device=None, timeout_s=600):
-    """Join torchrun's process group, or without torchrun make a group of one; one that is up
-    already is used, its backend deciding the device. Returns (rank, world_size, device)."""
+    """Join torchrun's process group, or one that is up, or make a group of one."""
     if dist.is_initialized():
         if backend not in (None, dist.get_backend()):
             raise UsageError(f"--backend {backend}, but the process group is {dist.get_backend()}")
@@ -583,31 +579,26 @@ def setup(backend=None, device=None, timeout_s=600):
             else choose_device("gloo", device)[1]  # (NCCL: its ranks' GPUs are chosen already)
         return dist.get_rank(), dist.get_world_size(), here
     backend, dev = choose_device(backend, device)
-    # NCCL: a collective that fails or times out raises in wait() (a blocking wait), as gloo's
-    # do, where torch's watchdog would abort. The price: the host waits too.
+    # NCCL: a failed collective raises in wait(), as gloo's, where the watchdog would abort
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
-    if "RANK" in os.environ:  # the store torchrun made (see _attempt_store)
-        dist.init_process_group(backend, store=_attempt_store(timeout), timeout=timeout,
-                                rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
-    else:  # plain `python zero.py`: a group of one, so world size 1 runs the very same code
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+    # torchrun's store (_attempt_store); plain `python zero.py`: a group of one, the same code
+    store = _attempt_store(timeout) if "RANK" in os.environ else dist.HashStore()
+    dist.init_process_group(backend, store=store, timeout=timeout,
+                            rank=int(os.environ.get("RANK", 0)),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
     return dist.get_rank(), dist.get_world_size(), dev
 
 
 def gpu_each(local_world):
-    """Whether each of this machine's local_world ranks has a GPU of its own: as many visible,
-    or this process shown one alone by its launcher (CUDA_VISIBLE_DEVICES=3)."""
+    """Whether each of local_world ranks has a GPU of its own (or CUDA_VISIBLE_DEVICES=3)."""
     shown, gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ""), torch.cuda.device_count()
     return 0 < local_world <= gpus or gpus == 1 and shown != "" and "," not in shown
 
 
 def choose_device(backend, device):
-    """setup()'s defaults: NCCL if each local rank has a GPU of its own, else gloo on CPU (gloo
-    on CUDA lets ranks share a GPU). Returns (backend, device), after set_device on a GPU."""
+    """(backend, device), by default NCCL if each local rank has a GPU of its own, else gloo."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus, own = torch.cuda.device_count(), gpu_each(local_world)
@@ -629,9 +620,7 @@ def choose_device(backend, device):
 
 
 def _attempt_store(timeout):
-    """torchrun's store, its keys prefixed by the restart attempt. Gotcha: after torchrun
-    --max-restarts restarts a group, the store still holds the old ranks' addresses, and a new
-    rank that reads one waits for ever to connect to a dead process."""
+    """torchrun's store, keys prefixed by the restart attempt (else: dead ranks' addresses)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), timeout=timeout,
@@ -640,8 +629,7 @@ def _attempt_store(timeout):
 
 
 # ----------------------------------------------------------------------------------------------
-# wrap()'s options, declared once (configure() sets them on the stage object). The torch
-# optimizer over the pieces (speed 3) is `.optimizer`: attach LR schedulers to that.
+# wrap()'s options. The torch optimizer over the pieces is `.optimizer`: LR schedulers attach there
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -652,27 +640,21 @@ class Options:
     bucket_bytes: int = 0      # stages 0-2: buckets of this many bytes (speed 2; 0: one per unit)
     check_steps: bool = True   # 16 bytes a step: stop ranks that communicated different units
     shard_size: int = None     # G, hybrid: stages 1-3 shard over G consecutive ranks (hybrid.py)
-    buffers: str = "none"      # "none": each rank's own, as FSDP (BatchNorm statistics drift);
-                               # "broadcast": rank 0's before each forward with grad on, as DDP
-    init: object = None        # a model built under torch.device("meta"): init(module) for each
-    device: object = None      # module, unit by unit, on device (default: this rank's GPU under
-                               # NCCL, else the CPU), as model.apply(init) (meta_init.py)
+    buffers: str = "none"      # each rank's own, as FSDP; "broadcast": rank 0's, as DDP
+    init: object = None        # a meta-device model: init(module) for each, unit by unit, on
+    device: object = None      # device (default: this rank's GPU under NCCL, else the CPU)
 
 
 AGREED = ("param_dtype", "reduce_dtype", "overlap", "check_steps", "N", "buffers")  # every rank's
 
 
 def configure(zero, model, options):
-    """DataParallel's set-up that is not the algorithm: the options (an unknown one: TypeError),
-    units, device, Ψ, meter, the ranks' agreement, hybrid sharding. Returns the units."""
+    """wrap()'s set-up that is not the algorithm: options, units, device, Ψ, meter, checks."""
     o = Options(**options)
     if not dist.is_initialized():  # a group for this model's device: torchrun's, or of one
         built = {p.device.type for p in model.parameters()} - {"meta"}
         setup(device=built.pop() if len(built) == 1 else o.device and torch.device(o.device).type)
-    for f in dataclasses.fields(o):
-        setattr(zero, f.name, getattr(o, f.name))
-    if zero.buffers not in ("broadcast", "none"):
-        raise ValueError(f"zero: buffers must be 'broadcast' or 'none', not {zero.buffers!r}")
+    vars(zero).update(vars(o))
     zero.rank, zero.world = dist.get_rank(), dist.get_world_size()
     zero.N = zero.shard_size or zero.world  # hybrid sharding: G (and its groups, below)
     zero.group = zero.replica_group = None
@@ -682,11 +664,9 @@ def configure(zero, model, options):
     zero.device = build_device(zero)  # the model's, or where a meta-device model is built
     zero.psi = sum(p.numel() for u in zero.units for p in u.params)  # Ψ: trainable params
     zero.meter = Meter(zero)
-    # Speed 1, reductions in flight (_land_reductions): stage 0 all, in place as DDP, unless into
-    # copies (all: a second gradient); from stage 1 on one, as FSDP2: each holds a buffer.
-    copies = any(zero.reduce_dtype not in (None, zero.param_dtype or u.flat.dtype)
-                 for u in zero.units)
-    zero.max_in_flight = 1 if zero.stage > 0 or copies else len(zero.units)
+    # Speed 1, reductions in flight: stage 0 all, in place as DDP; else one (each holds a buffer)
+    zero.max_in_flight = 1 if zero.stage > 0 or any(zero.reduce_dtype not in (
+        None, zero.param_dtype or u.flat.dtype) for u in zero.units) else len(zero.units)
     # The model's forwards running now, for gathered() (the second hook runs even if it raises)
     running = zero.forwards = [0]
     model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
@@ -704,9 +684,7 @@ def configure(zero, model, options):
 # Units: which modules, by default, and the parameters each one holds
 
 def default_units(model):
-    """The model's repeated blocks at any depth, as FSDP's auto-wrap by block class: the members
-    of each ModuleList or Sequential of two or more trainable modules of one class (GPT-2's
-    transformer.h, Llama's model.layers), outermost first; else each trainable child."""
+    """The repeated blocks (ModuleList, Sequential: 2+ of one class) at any depth, else children."""
     units, taken = [], set()
     for name, m in model.named_modules():
         members = list(m) if isinstance(m, (nn.ModuleList, nn.Sequential)) else []
@@ -725,20 +703,19 @@ def _trainable_children(module):
 
 
 def make_units(zero, model, modules):
-    """The units of `model`: each trainable parameter in the first of `modules` (default:
-    default_units) that holds it, the rest in the root unit; then buckets (bucket_bytes)."""
+    """Each trainable parameter in the unit of the first of `modules` holding it, else the root."""
     real = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
     modules = default_units(model) if modules is None else list(dict.fromkeys(modules))
     inside = {id(m) for m in model.modules() if m is not model}
-    # Sparse gradients (sparse=True) have no storage to copy into a flat gradient: refused here
     sparse = [(n, type(m).__name__) for name, m in model.named_modules()
               if getattr(m, "sparse", False) is True
               for n, p in m.named_parameters(prefix=name, recurse=False) if p.requires_grad]
     for bad, message in [
+            (zero.buffers not in ("broadcast", "none"),
+             f"buffers must be 'broadcast' or 'none', not {zero.buffers!r}"),
             (any(hasattr(p, "_zero_unit") for p in model.parameters()), "this model is wrapped "
              "already (wrap() changes it in place): build a new model to wrap it again"),
-            (not (isinstance(zero.N, int) and 0 < zero.N <= zero.world and
-                  zero.world % zero.N == 0),
+            (not (isinstance(zero.N, int) and zero.N > 0 and zero.world % zero.N == 0),
              f"shard_size must divide the world size {zero.world}, not {zero.N!r}"),
             (zero.stage == 0 and zero.N != zero.world,
              "shard_size is for stages 1-3 (hybrid sharding); stage 0 shards nothing"),
@@ -765,8 +742,7 @@ def make_units(zero, model, modules):
         groups = buckets(groups, zero.bucket_bytes)
     if any((p.dtype, p.device) != (ps[0].dtype, ps[0].device) for _, ps in groups for p in ps):
         raise ValueError("zero: the parameters of one unit must share dtype and device")
-    # Hybrid sharding pads each unit to a multiple of the world size, the number of parts a
-    # checkpoint is written in: a shard of S elements is then R = N/G whole parts.
+    # Hybrid: a unit padded to a multiple of the world size (a checkpoint's parts), R per shard
     R = zero.world // zero.N
     units = [Unit(mods, params, zero.rank % zero.N, zero.N,
                   S=-(-sum(p.numel() for p in params) // zero.world) * R if R > 1 else None)
@@ -792,42 +768,34 @@ def own_parameters(module, unit_modules):
 
 
 def output_tensors(x, seen=None):
-    """The tensors in a module's output, for stage 3's backward hooks: at any depth of tuples,
-    lists, dicts, dataclasses, objects' attributes, each container once (it may hold itself)."""
+    """The tensors in a module's output at any depth, each container once (it may hold itself)."""
     seen = set() if seen is None else seen
     if torch.is_tensor(x):
         return [x]
     if id(x) in seen or isinstance(x, (str, bytes, type, nn.Module, types.ModuleType)):
         return []
     seen.add(id(x))
-    if isinstance(x, dict):
-        items = list(x.values())
-    elif isinstance(x, (list, tuple, set, frozenset)):
-        items = list(x)
-    elif dataclasses.is_dataclass(x):
-        items = [getattr(x, f.name, None) for f in dataclasses.fields(x)]
-    else:
-        items = list(getattr(x, "__dict__", {}).values())
+    items = (x.values() if isinstance(x, dict) else
+             x if isinstance(x, (list, tuple, set, frozenset)) else
+             [getattr(x, f.name, None) for f in dataclasses.fields(x)]
+             if dataclasses.is_dataclass(x) else getattr(x, "__dict__", {}).values())
     return [t for item in items for t in output_tensors(item, seen)]
 
 
 def replicated(model):
-    """Frozen parameters and buffers: every rank holds them whole, none of them is sharded.
-    Frozen means frozen at wrap(): a unit's parameter frozen later is still the unit's."""
-    frozen = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "_zero_unit")]
-    return frozen + list(model.named_buffers())
+    """Parameters frozen at wrap() and buffers: every rank holds them whole."""
+    return [(n, p) for n, p in model.named_parameters() if not hasattr(p, "_zero_unit")] + list(
+        model.named_buffers())
 
 
 def replicate_the_rest(zero):
-    """What no unit holds, whole on every rank: rank 0's frozen parameters and buffers (seeds
-    may differ). Mixed precision: frozen weights and, as FSDP2, float inputs in param_dtype."""
+    """Rank 0's frozen parameters, buffers on every rank; param_dtype: frozen weights and inputs."""
     for _, t in replicated(zero.model):
         dist.broadcast(t.data, src=0)
     dtype = zero.param_dtype
     if zero.mixed_precision:
-        for p in zero.model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(dtype)
+        for _, p in zero.frozen:
+            p.data = p.data.to(dtype)
         for m in [zero.model] + zero.unit_modules:
             m.register_forward_pre_hook(lambda module, args: tuple(
                 a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
@@ -837,22 +805,18 @@ def replicate_the_rest(zero):
 
 
 def _broadcast_buffers(zero_ref, model, args):
-    # buffers="broadcast" (Options). Only in forwards with gradients on, as DDP: an evaluation
-    # rank 0 runs alone must not wait.
+    # With gradients on only, as DDP: an evaluation rank 0 runs alone must not wait
     zero = zero_ref()
     if zero is None or not torch.is_grad_enabled():
         return
-    works = []
-    for _, b in model.named_buffers():
-        works.append(dist.broadcast(b, src=0, async_op=True))
+    works = [dist.broadcast(b, src=0, async_op=True) for b in model.buffers()]
+    for b, work in zip(model.buffers(), works):
         zero.meter.sent("broadcast", b)
-    for w in works:
-        zero.meter.wait(w)
+        zero.meter.wait(work)
 
 
 def build_device(zero):
-    """Where the model lives: its own device; a model built on the meta device has none yet
-    (meta_init.py says where it is built). init= and device= are for such a model only."""
+    """The model's device, or where a meta-device model is built (init=, device=: only then)."""
     here = zero.units[0].flat.device
     if here.type == "meta":
         import meta_init
@@ -867,8 +831,7 @@ def build_device(zero):
 
 
 def materialize(zero):
-    """The units, each ready to be sharded (wrap's loop); those of a model built on the meta
-    device each allocated and initialized just before it is handed out (meta_init.py)."""
+    """The units, each ready to be sharded; a meta-device model's each built as handed out."""
     zero.meter.event("building")
     if zero.units[0].flat.is_meta:
         import meta_init
@@ -877,12 +840,12 @@ def materialize(zero):
 
 
 # ----------------------------------------------------------------------------------------------
-# Speed 1, overlap: with async_op=True a collective runs on the backend's thread while autograd
-# computes: Part I's reductions in flight, Prefetch's all-gathers (--no-overlap: neither).
+# Speed 1, overlap: an async_op=True collective runs while autograd computes (--no-overlap: not).
+# Stage 3 on CUDA streams needs no record_stream: an all-gather runs after the kernels queued
+# before it, its wait() makes the compute stream wait, and freed memory goes to later work there.
 
 class Prefetch:
-    """Stage 3's overlap: while a module computes, gather the units of the next one (in backward,
-    the one before), in the first forward's order. The price: one more unit of memory."""
+    """Gather the units of the module that computes next (backward: the one before)."""
 
     def __init__(self, zero):
         self.zero, self.order, self.calls, self.open = zero, None, [], []
@@ -908,18 +871,10 @@ class Prefetch:
                 self.zero._gather(u, prefetch=True)
 
 
-# Stage 3 on CUDA streams: why ZeRO3._free and _gather need no record_stream. An all-gather runs
-# after every kernel queued before it (NCCL's stream waits for the compute stream), and its wait()
-# (which _free calls too) makes the compute stream wait for it. resize_(0) gives the memory to the
-# caching allocator, which hands it only to later work on the compute stream, after its readers.
-
-
 def buckets(groups, bucket_bytes):
-    # Speed 2, buckets (bucket_bytes, --bucket-mb): a collective has a fixed cost (latency, a
-    # sync with the slowest rank) beyond its bytes, so many small units reduce slowly; one huge
-    # unit waits for all of backward. Stages 0-2 may cut buckets, as DDP's 25 MB: in reverse
-    # (about backward's order), each closing at bucket_bytes or a change of dtype or device; the
-    # smallest is last, the one nothing overlaps. The price: stage 2 holds a bucket's gradient.
+    # Speed 2, buckets: a collective has a fixed cost (latency, a sync), so many small units reduce
+    # slowly; one huge unit waits for all of backward. Cut in reverse (backward's order) at
+    # bucket_bytes or a dtype or device change, as DDP's 25 MB. Stage 2 holds a bucket's grad.
     out, held = [[]], 0
     for p in reversed([p for _, ps in groups for p in ps]):
         if out[-1] and (p.dtype, p.device) != (out[-1][-1].dtype, out[-1][-1].device):
@@ -931,17 +886,13 @@ def buckets(groups, bucket_bytes):
     return [([], b[::-1]) for b in reversed(out) if b]  # in model order, as units are
 
 
-# Speed 3, optimizer pieces: the largest tensor the optimizer is handed, in elements. On CPU,
-# torch's for-loop Adam passes over each tensor about ten times: a 128K-element piece's weights,
-# gradient, m and v (2 MB) stay in one core's L2 cache; the cuts also bound the temporaries it
-# allocates per tensor. The price: Adam's per-tensor work and step counter for each piece.
+# Speed 3, optimizer pieces of at most PIECE elements: CPU Adam's ten passes over a 128K piece
+# (2 MB with gradient, m, v) stay in L2 cache. The price: per-tensor work and a step counter each.
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
 def optimizer_pieces(zero):
-    """The tensors the optimizer steps: each unit's master cut into views of at most PIECE
-    elements; unit.owners: the parameters each holds elements of (the padding: the last's). Cut
-    where parameters start only when needed (split_pieces): each piece costs per-tensor work."""
+    """The tensors the optimizer steps: each unit's master cut into pieces (views)."""
     zero.piece = PIECE.get(zero.units[0].flat.device.type, PIECE["cuda"])
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
@@ -949,8 +900,7 @@ def optimizer_pieces(zero):
 
 
 def cut_pieces(zero, u, per_parameter):
-    """(pieces, owners) of unit u: cut every PIECE elements from the start of what this rank
-    steps, and (per_parameter) where each parameter starts: each piece then lies in one."""
+    """(pieces, owners) of u: every PIECE elements and (per_parameter) where parameters start."""
     lo, hi = u.stepped.start, u.stepped.stop
     cuts = sorted(set(range(lo, hi, zero.piece)) | {hi} | (
         {u.offset[p] for p in u.params if lo < u.offset[p] < hi} if per_parameter else set()))
@@ -960,9 +910,7 @@ def cut_pieces(zero, u, per_parameter):
 
 
 def split_pieces(zero, units):
-    """Cut the pieces of `units` where parameters start, in place in the optimizer: its group's
-    tensors, and its state: each new piece's slice of the old piece's per-element state (Adam's
-    m and v), and the scalars (the step count: they were stepped together)."""
+    """Cut `units`' pieces where parameters start, in the optimizer: tensors, state (m, v)."""
     units, state = [u for u in units if not u.per_parameter], zero.optimizer.state
     for u in units:
         old = [(piece, piece.storage_offset()) for piece in u.pieces]
@@ -982,13 +930,9 @@ def split_pieces(zero, units):
         zero.optimizer.param_groups[0]["params"] = [p for u in zero.units for p in u.pieces]
 
 
-# Speed 4, gloo on CPU tensors: its reduce_scatter_tensor and all_gather_into_tensor are slower
-# than its all-reduce, which does both (fsdp_demo.py --bench times all three). So zero.py sends
-# the same (N-1)/N per rank another way (DIRECT = False, another backend, CUDA: the native calls):
-#   reduce-scatter = one all_to_all (slice j of every rank to rank j) + a local sum of the N
-#                    slices; above A2A_BYTES, N reduces in place (rank j the root of slice j),
-#   all-gather     = N broadcasts, in place (rank j sends its shard to everyone).
-# Trade-off: the all-to-all's receive buffer (gradient memory while in flight).
+# Speed 4: gloo's reduce_scatter_tensor and all_gather_into_tensor on CPU are slower than its
+# all-reduce (fsdp_demo.py --bench). So (DIRECT) reduce-scatter = an all_to_all + a local sum (the
+# price: its receive buffer; above A2A_BYTES, N reduces), all-gather = N broadcasts: same bytes.
 DIRECT = True
 A2A_BYTES = 16 << 20
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
@@ -998,8 +942,7 @@ warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
 
 
 class _Pending:
-    """Like torch's Work, for a collective of several calls: wait() waits for all, then finishes
-    here (the local sum, or a copy). early: it may land once its calls complete."""
+    """Like torch's Work, for several calls, then finish(). early: may land once they complete."""
 
     def __init__(self, works, finish=None, buffers=(), early=True):
         self.works, self.finish, self.buffers, self.early = works, finish, buffers, early
@@ -1051,13 +994,11 @@ class GlooCPU:
 
 
 # ----------------------------------------------------------------------------------------------
-# Mixed precision (param_dtype, --bf16), the paper's accounting: compute, gradients and
-# all-gathers in param_dtype (2 bytes), reductions in reduce_dtype (fp32 by default: a sum over
-# N ranks in bf16 loses bits), and an fp32 master of this rank's shard: K = 4 + 8 = 12 for Adam.
+# Mixed precision (--bf16), the paper's: compute, gradients, gathers in param_dtype, reductions in
+# fp32 (a sum over N ranks in bf16 loses bits), fp32 masters of the shard: K = 4 + 8 = 12 (Adam).
 
 def cast(unit, dtype):
-    """The modules compute with a copy of the unit in `dtype` (None: no copy). Returns the flat
-    buffer as it was, for the fp32 masters."""
+    """Compute with a copy of the unit in `dtype` (None: no copy); returns the original buffer."""
     full = unit.flat
     if dtype is not None:
         unit.flat = unit.flat.to(dtype)
@@ -1067,12 +1008,11 @@ def cast(unit, dtype):
 
 
 def after_step(zero):
-    """After optimizer.step(): let go of the pieces' .grad and unit.step_grad (measured before:
-    its fp32 copy is a transient the paper's formula does not count)."""
+    """Masters rounded into the compute copy; gradients let go (measured before: a transient)."""
     zero.meter.event("optimizer step")
     for u in zero.units:
         if zero.mixed_precision:
-            u.shard.copy_(u.master)  # round the updated fp32 master into the compute copy
+            u.shard.copy_(u.master)
         for piece in u.pieces:
             piece.grad = None
         u.step_grad = None
@@ -1093,9 +1033,7 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_reduce across groups
 
 
 class Meter:
-    """zero.comm: bytes sent per collective kind; zero.peak: the most model-state bytes held,
-    per kind; waited(): seconds spent waiting on collectives. Part I calls sent() at every
-    collective, event() wherever memory changes and wait() wherever it waits for a collective."""
+    """Bytes sent (zero.comm) and held at the most (zero.peak); waited(): seconds of waiting."""
 
     def __init__(self, zero):
         self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
@@ -1104,9 +1042,7 @@ class Meter:
         self.seconds, self.events, self.cuda = 0.0, [], zero.device.type == "cuda"
 
     def wait(self, work):
-        """work.wait(), timed: the exposed communication, what overlap did not hide. On CPU the
-        time this thread spends in wait() (gloo's local sum after an all-to-all included). On
-        CUDA wait() only makes the compute stream wait: that stall is timed, with CUDA events."""
+        """work.wait(), timed: what overlap did not hide (CUDA: the stall, by CUDA events)."""
         if not self.cuda:
             start = time.perf_counter()
             work.wait()
@@ -1119,7 +1055,7 @@ class Meter:
         self.events.append((start, end))
 
     def waited(self):
-        """Seconds waited in wait() so far (CUDA: once the stream has got there, synchronized)."""
+        """Seconds waited in wait() so far (CUDA: synchronized)."""
         if self.events:
             self.events[-1][1].synchronize()
             self.seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1e3
@@ -1127,8 +1063,7 @@ class Meter:
         return self.seconds
 
     def sent(self, kind, full, unit=None, ranks=None):
-        """Count what a ring makes this rank send for a collective over `full` (M bytes):
-        all_reduce 2(N-1)/N M, others (N-1)/N M; and fold it into the step's fingerprint."""
+        """Count a ring's bytes (all_reduce 2(N-1)/N M, others (N-1)/N M); fold into the trace."""
         z, code = self.zero, KINDS.index(kind)  # (not hash(kind): it differs between processes)
         self.trace = hash((self.trace, code, full.numel(), unit.index if unit else -1))
         n = ranks or (z.N if kind in ("reduce_scatter", "all_gather") else z.world)  # the ring
@@ -1137,8 +1072,8 @@ class Meter:
 
     def breakdown(self):
         """Bytes of model state this rank holds now, allocated (not frozen parameters, buffers)."""
-        held = [self.unit_bytes(u) for u in self.zero.units]
-        return {"params": sum(h["params"] for h in held), "grads": sum(h["grads"] for h in held),
+        held = sum((self.unit_bytes(u) for u in self.zero.units), Counter())
+        return {"params": held["params"], "grads": held["grads"],
                 "optimizer": self.optimizer_bytes()}
 
     def unit_bytes(self, unit):
@@ -1156,8 +1091,7 @@ class Meter:
         return _nbytes(state + ([u.master for u in z.units] if z.mixed_precision else []))
 
     def event(self, what, unit=None):
-        # Peak tracking: unit None (the start, the step) measures all; else only the unit that
-        # changed, the total corrected: the same cost for 5 units or 500.
+        # unit None measures all; else only the unit that changed: the same cost for 5 units or 500
         for u in self.zero.units if unit is None else [unit]:
             old, self.held[u] = self.held.get(u, Counter()), self.unit_bytes(u)
             self.now.update(self.held[u])
@@ -1180,8 +1114,7 @@ STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharde
 
 
 def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8, shard_size=None):
-    """Model-state bytes per rank, sharded over N ranks (G, hybrid). Bytes per parameter: fp32
-    AdamW's by default; the paper's: 2, 2, 12."""
+    """Model-state bytes per rank, sharded over N (or G) ranks; fp32 AdamW's by default."""
     n = shard_size or world
     return {"params": param_bytes * psi / (n if stage >= 3 else 1),
             "grads": grad_bytes * psi / (n if stage >= 2 else 1),
@@ -1190,9 +1123,8 @@ def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8
 
 def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1,
                  shard_size=None):
-    """Bytes one rank sends per step (rings), by collective. k micro-batches: stages 0 and 1
-    reduce once (no_sync()), 2 and 3 in every backward; 3 gathers in every forward and backward.
-    Hybrid (G < N): among G ranks, plus an all-reduce of each 1/G across the R = N/G groups."""
+    """Bytes one rank sends per step (rings), by collective, with k micro-batches; hybrid (G < N):
+    among G ranks, plus an all-reduce of each 1/G across the R = N/G groups."""
     G, k, R = shard_size or world, micro_batches, world // (shard_size or world)
     ring = (G - 1) / G * psi if stage else (world - 1) / world * psi
     g, r = ring * gather_bytes, ring * reduce_bytes
@@ -1222,8 +1154,7 @@ def _all_ranks(row, device, dtype=torch.int64):
 
 
 class ShardedParameter(nn.Parameter):
-    """A stage-3 parameter, its storage freed between uses (ZeRO3._free): reading its values
-    then is a clear error, not freed memory; its shape, dtype, grad or hooks still work."""
+    """A stage-3 parameter: reading its values while freed is a clear error (metadata works)."""
 
     METADATA = {"numel", "dim", "size", "stride", "storage_offset", "untyped_storage", "data_ptr",
                 "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
@@ -1247,10 +1178,9 @@ class ShardedParameter(nn.Parameter):
 
 
 def guard_sharded_parameters(zero):
-    names = {p: n for n, p in zero.model.named_parameters()}
-    for unit in zero.units:
-        for p in unit.params:
-            p.__class__, p._zero_name = ShardedParameter, names[p]
+    for name, p in zero.model.named_parameters():
+        if hasattr(p, "_zero_unit"):
+            p.__class__, p._zero_name = ShardedParameter, name
 
 
 def _digest(x):
@@ -1259,8 +1189,7 @@ def _digest(x):
 
 
 def check_ranks_agree(zero):
-    # Fail fast: ranks with another model, stage or option would hang in a collective of other
-    # sizes, or exchange garbage. So the first collective is a small one any rank can make.
+    # Ranks that disagree would hang or exchange garbage: the first collective is a small one
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     settings = {"shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}
     fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
@@ -1277,17 +1206,13 @@ def check_ranks_agree(zero):
 
 
 def check_step_agrees(zero):
-    """The set of parameters some rank gave a gradient since zero_grad(): step() steps those
-    (settle_unused settles their .grad and pieces). Refused first: a parameter frozen at wrap()
-    and trainable now (in no unit, it would train on no rank), a stage-3 unit still used by a
-    forward (it would go stale), ranks that communicated different units."""
-    # Ranks that computed with other units of the same size (a forward branching on the rank)
-    # pair the wrong buffers, and nothing fails. So each rank fingerprints its collectives
-    # (Meter.sent); one 16-byte all-reduce compares them before anything is applied, and carries
-    # whether a parameter got no gradient here: the fingerprint, made even, plus 1 if so;
-    # max(trace + bit) + max(-trace) is 0 or 1 if the traces agree. Only if a rank set the bit, a
-    # second all-reduce (MAX, a byte per parameter) says which; check_steps=False pays it always.
-    for name, p in zero.frozen:  # (frozen after wrap(): no gradient, step() leaves it, as torch)
+    """The parameters some rank gave a gradient since zero_grad(), which step() steps. Refused: a
+    parameter frozen at wrap() and trainable now, a unit still used by a forward (it would go
+    stale), ranks that communicated different units."""
+    # Ranks that computed with other units of the same size pair the wrong buffers silently. So a
+    # 16-byte MAX all-reduce compares fingerprints (Meter.sent), even, +1 if a parameter got no
+    # gradient here: max(trace + bit) + max(-trace) is 0 or 1 if they agree; 1: a second says which
+    for name, p in zero.frozen:  # (frozen after wrap(): step() leaves it, as torch)
         if p.requires_grad:
             raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
                                "shards and steps the parameters trainable then; build the model "
@@ -1318,8 +1243,7 @@ def check_step_agrees(zero):
 
 
 def check_gradient(zero, p):
-    """Refused: a gradient after step() or clip_grad_norm_() without zero_grad() (local ones
-    added to averaged ones: silently wrong), or a sparse one."""
+    """Refused: a gradient after step() without zero_grad() (silently wrong), or a sparse one."""
     if zero._reduced:
         raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
                            "call zero_grad() first")
@@ -1330,26 +1254,20 @@ def check_gradient(zero, p):
                            "(nn.Embedding and nn.EmbeddingBag: sparse=False)")
 
 
-def recomputing(zero=None, units=()):
-    """Whether a forward runs inside a backward: activation checkpointing recomputing what it
-    did not save. Its forward hook may never run (non-reentrant checkpointing stops once it has
-    what it needs), so no users are counted: stage 3 gathers the units here, and they stay so
-    until their gradient is reduced, as after _pre_backward."""
+def recomputing(zero, units):
+    """Whether a forward runs inside a backward (activation checkpointing), whose forward hook may
+    never run: the units are gathered here, no users counted, until their gradient is reduced."""
     if torch._C._current_graph_task_id() == -1:
         return False
-    if zero is not None:
-        zero._queue_end_of_backward()  # on this backward, not on a nested one (reentrant)
-        for u in units:
-            zero._gather(u)
+    zero._queue_end_of_backward()  # on this backward, not on a nested one (reentrant)
+    for u in units:
+        zero._gather(u)
     return True
 
 
 def count_unused(zero, unit):
-    """Stages 0 and 1, before a unit is reduced: the slice of a parameter with no gradient since
-    zero_grad() (unused here) still holds last step's values: zeroed, reduced as zeros. Its
-    .grad stays None, as torch's; once reduced, the slice holds the other ranks' mean, which a
-    later backward adds to (unit.hidden) and step() shows as p.grad if some rank used p
-    (settle_unused), as DDP. Zeros kept by zero_grad(set_to_none=False) are a gradient."""
+    """Stages 0, 1: a parameter unused here is reduced as zeros, its .grad None; its slice then
+    holds the others' mean, which step() shows as p.grad if some rank used p, as DDP."""
     if zero.keeps_full_grads:
         for p in unit.params:
             if p.grad is None and p not in unit.hidden:
@@ -1359,9 +1277,7 @@ def count_unused(zero, unit):
 
 
 def settle_unused(zero, with_grad):
-    """Once every rank knows with_grad: p.grad of each p unused here is the mean its slice
-    holds, or None (as torch) if no rank used it; a piece holding parameters of both kinds is
-    cut per parameter (split_pieces), so that step() skips exactly those."""
+    """p.grad of each p unused here: the mean in its slice, or None if unused on every rank."""
     for u in zero.units:
         for p in u.hidden & with_grad:
             p.grad = u.view(u.grad, p)
@@ -1373,9 +1289,8 @@ def settle_unused(zero, with_grad):
 
 
 def guard_conversions(model):
-    """model.to(dtype or device), .float(), .cuda()... after wrap() would give each parameter a
-    converted copy, no view of the units: silently wrong training (stage 3: freed memory read).
-    Refused, saying what to do; one that leaves the units' parameters alone converts the rest."""
+    """model.to(), .float(), .cuda()... would give the units' parameters converted copies, not
+    views: silently wrong training. Refused; the rest converts."""
     names = {p: n for n, p in model.named_parameters()}
     for module in model.modules():
         module._apply = functools.partial(_convert, module, module._apply, names)
@@ -1385,11 +1300,10 @@ def _convert(module, apply, names, fn, recurse=True):
     for p in module.parameters(recurse=recurse):  # what this conversion would reach
         probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
         if hasattr(p, "_zero_unit") and (probe.dtype, probe.device) != (p.dtype, p.device):
-            raise RuntimeError(
-                f"zero: converting the wrapped model would make {names[p]} {probe.dtype} on "
-                f"{probe.device}, outside the flat buffers zero.py trains: build the model in "
-                "that dtype and on that device before wrap() (mixed precision: "
-                "wrap(param_dtype=...))")
+            raise RuntimeError(f"zero: converting the wrapped model would make {names[p]} "
+                               f"{probe.dtype} on {probe.device}, outside the flat buffers zero.py "
+                               "trains: build the model in that dtype and on that device before "
+                               "wrap() (mixed precision: wrap(param_dtype=...))")
     with torch._C.DisableTorchFunctionSubclass():  # (stage 3: p itself, not its values)
         return apply(lambda t: t if hasattr(t, "_zero_unit") else fn(t), recurse)
 
@@ -1399,12 +1313,9 @@ def _convert(module, apply, names, fn, recurse=True):
 
 @contextlib.contextmanager
 def gathered(zero, modules=None, writeback=False):
-    """`with optimizer.gathered(modules=None, writeback=False):` the parameters of the modules
-    (default: the model; stage 3 gathers only their units) hold their full values, to read as on
-    a plain model: evaluation, generation (under torch.no_grad()), an EMA, norms. writeback=True:
-    what is written lands at the end in every rank's parameters, shards and fp32 masters, rank
-    0's winning (DeepSpeed's modifier_rank=0); else writes are not kept. Every rank enters (a
-    collective at stage 3 or with writeback), between steps. Adam's state stays."""
+    """`with optimizer.gathered(modules=None, writeback=False):` the modules' parameters hold their
+    full values (evaluation, generation, an EMA); writeback=True: rank 0's writes land on every
+    rank, shards and masters too, else writes are not kept. Every rank enters, between steps."""
     if zero.forwards[0] or torch._C._current_graph_task_id() != -1:
         raise RuntimeError("zero: optimizer.gathered() inside a forward or backward: a module "
                            "computes with its units gathered already; enter it between steps")
@@ -1416,8 +1327,7 @@ def gathered(zero, modules=None, writeback=False):
     for u in units if zero.stage == 3 else []:
         zero._gather(u)
         u.users += 1  # not freed by a forward inside the block
-    # This rank's stepped elements as they were: the fp32 master of an element written changes,
-    # an element left alone keeps its fp32 bits
+    # This rank's stepped elements as they were: only the fp32 master of one written changes
     before = [u.flat[u.stepped].clone() for u in units if writeback and zero.mixed_precision]
     try:
         yield
@@ -1430,9 +1340,8 @@ def gathered(zero, modules=None, writeback=False):
                 new = u.flat[u.stepped]
                 changed = new != before.pop(0)
                 u.master[changed] = new[changed].to(u.master.dtype)
-        for p in wanted if writeback else []:
-            if not hasattr(p, "_zero_unit"):  # frozen: whole on every rank
-                dist.broadcast(p.data, src=0)
+        for p in [p for p in wanted if writeback and not hasattr(p, "_zero_unit")]:  # frozen
+            dist.broadcast(p.data, src=0)
     finally:
         for u in units if zero.stage == 3 else []:
             u.users -= 1
@@ -1441,8 +1350,7 @@ def gathered(zero, modules=None, writeback=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# The rest of the interface, every stage's: full parameters for a moment (above), the bytes held
-# (the Meter) and checkpoints (checkpoints.py, imported where a checkpoint is first needed)
+# The rest of the interface: gathered() (above), the bytes held, checkpoints (checkpoints.py)
 
 DataParallel.gathered = gathered
 DataParallel.memory_breakdown = lambda self: self.meter.breakdown()  # {params, grads, optimizer}
@@ -1454,13 +1362,12 @@ DataParallel.load_full_state_dict = \
 
 
 def _wide(t):
-    """t in float32, or kept in float64: the precision masters are saved and returned in."""
+    """t in float32, or kept in float64: the masters' precision."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def layout(zero):
-    """The names and shapes, in flat order, of each unit's parameters, and what else a reader
-    of a rank's state_dict() needs: the same on every rank."""
+    """The names and shapes of each unit's parameters, and what else a reader needs."""
     names = {p: n for n, p in zero.model.named_parameters()}
     u0 = zero.units[0]
     return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.N, "psi": zero.psi,
@@ -1470,8 +1377,7 @@ def layout(zero):
 
 
 # ----------------------------------------------------------------------------------------------
-# The demo: a small byte-level GPT on text made here (corpus), so nothing is downloaded and the
-# loss visibly falls from ln(256) = 5.55 within a minute on CPU (--data FILE: any file's bytes).
+# The demo: a byte-level GPT on text made here; its loss falls from ln(256) within a minute on CPU
 
 SUBJECTS = ["every rank", "rank 0", "the last rank", "each shard", "the optimizer", "the unit"]
 VERBS = ["holds", "gathers", "reduces", "steps", "frees", "sends", "keeps", "scatters"]
@@ -1481,8 +1387,7 @@ ENDINGS = [" before the step", " during backward", " after the forward", " at on
 
 
 def corpus(size=1 << 17):
-    """`size` bytes of sentences drawn from the lists above by a fixed linear congruential
-    generator: the same text everywhere, on any torch or Python (the README's losses stay true)."""
+    """`size` bytes of sentences from a fixed LCG: the same text on any torch or Python."""
     x, out, n = 12345, [], 0
     while n < size:
         words = []
@@ -1518,8 +1423,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT. The blocks are the units; the root unit holds the token embedding (tied to
-    the output head: one parameter, used twice), the position embedding and the final norm."""
+    """Byte-level GPT: blocks as units; the root holds the (tied) embeddings and the final norm."""
 
     def __init__(self, seq_len=64, d_model=64, n_layer=4, n_head=4, vocab=256):
         super().__init__()
@@ -1532,8 +1436,7 @@ class GPT(nn.Module):
 
     @staticmethod
     def init_weights(m):
-        """GPT-2's init of one module's own tensors: small weights, so the first loss is about
-        ln(256). wrap(init=GPT.init_weights) calls it for each module of a meta-device model."""
+        """GPT-2's init of a module's own tensors (first loss ~ln(256)); wrap(init=) calls it."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
@@ -1549,8 +1452,7 @@ class GPT(nn.Module):
 
 
 def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
-    """Rank r's rows [r*B, (r+1)*B) of the N*B windows one seeded generator draws for (step,
-    micro-batch): every stage sees the same global batch; one process fed all is the reference."""
+    """Rank r's rows of the N*B windows drawn for (step, micro): one global batch for any N."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro)
     starts = torch.randint(len(data) - seq_len - 1, (world * batch_size,), generator=g)
     mine = starts[rank * batch_size:(rank + 1) * batch_size]
@@ -1592,8 +1494,7 @@ UNITS = {  # --units: what a unit is (the lists of modules wrap(units=...) takes
 
 
 def zero_build(args):
-    """build() for train(): zero.wrap with the command line's settings, initializing the meta
-    model unit by unit; --init-from's weights then loaded, each rank reading its own shards."""
+    """build() for train(): zero.wrap with the command line's settings, then --init-from's."""
     def build(model, device):
         state = _checkpoints().read_state_dict(args.init_from) if args.init_from else None
         opt = wrap(model, args.stage, adamw(args), units=UNITS[args.units](model),
@@ -1612,8 +1513,7 @@ def zero_build(args):
 
 @dataclasses.dataclass
 class Progress:
-    """What this rank is doing (train() and hooks on the blocks: track), for the line naming where
-    memory ran out: which block's forward or backward, in which step. memory.Watch adds sizes."""
+    """Where this rank is (which block's forward or backward, which step), for out-of-memory."""
     what: str = "building the model"
     step: int = None
 
@@ -1628,8 +1528,7 @@ class Progress:
             if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
                 output.register_hook(lambda g: self.note(f"the backward of {name}"))
         for i, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(
-                lambda m, a, name=f"blocks.{i}": self.block_forward(name))
+            block.register_forward_pre_hook(lambda m, a, n=f"blocks.{i}": self.block_forward(n))
             block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
 
     def used(self):  # bytes allocated above the runtime at the most (memory.Watch): unknown
@@ -1640,9 +1539,7 @@ class Progress:
 
 
 def check_fits(args, world, device):
-    """A demo model this machine cannot hold is refused in one line, before it is built: its
-    model state by the stage's formula and its logits (a floor, not a forecast), on each rank,
-    beyond the memory there is (CPU: what is available, shared by the local ranks; a GPU's own)."""
+    """Refuse a model whose state (the formula) and logits per rank exceed the memory there is."""
     with torch.device("meta"):  # Ψ grows by one block's parameters per block
         one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n, args.n_head)
                         .parameters()) for n in (1, 2))
@@ -1671,11 +1568,8 @@ def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16,
 
 
 def train(args, build=None, keep_params=False, quiet=False):
-    """Train the demo model; return what was measured (gathered from every rank). build(model,
-    device) -> (callable model, optimizer, label) parallelizes and initializes the meta-device
-    model (default zero_build); fsdp_demo.py passes PyTorch's (DDP, ZeroRedundancyOptimizer,
-    FSDP2). args.ckpt_dir: one job per directory, checked first. Out of memory (--max-memory's or
-    a real one): OutOfMemory, one line naming the rank, where (Progress), the stage's formula."""
+    """Train the demo model; return what every rank measured. build(model, device) -> (model,
+    optimizer, label) parallelizes the meta-device model (zero_build; fsdp_demo.py: PyTorch's)."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
     check_fits(args, world, device)
     watch = args.max_memory and device.type == "cpu"  # the data size too (memory.py)
@@ -1692,7 +1586,6 @@ def train(args, build=None, keep_params=False, quiet=False):
 
 
 def _train(args, build, keep_params, quiet, world, device, model, progress):
-    rank = dist.get_rank()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak only
     # runtime: what a rank held before --max-memory's limit (-1: no limit)
@@ -1706,19 +1599,17 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
              ("Ψ", f"{opt.psi:,} trainable parameters"),
              ("model", f"GPT, {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, "
                        f"bytes of {os.path.basename(args.data) if args.data else 'corpus()'}"),
-             ("dtype, optimizer",
-              "bfloat16 compute, float32 master weights and reductions, AdamW" if args.bf16
-              else "float32, AdamW (state m, v: 8 bytes per parameter)"),
+             ("dtype, optimizer", "bfloat16 compute, float32 master weights and reductions, AdamW"
+              if args.bf16 else "float32, AdamW (state m, v: 8 bytes per parameter)"),
              ("global batch", f"{world} rank(s) x {args.batch_size} rows x {args.seq_len} bytes x "
                               f"{args.grad_accum} micro-batch(es)")]))
     ck = _checkpoints() if args.ckpt_dir or args.resume_from else None
     first, last_good = ck.resume(opt, args, world, device, log) if ck else (1, None)
-    # zero.py counts its own calls as it makes them (Meter.sent); fsdp_demo.py's PyTorch runs count
-    # theirs at the dispatcher, inside this context, which leaves out the loss's all-reduce.
+    # fsdp_demo.py's PyTorch runs count their calls in this context (zero.py's: Meter.sent)
     counting = getattr(opt, "counting", contextlib.nullcontext)
     meter = getattr(opt, "meter", None)  # zero.py's times its waits (PyTorch's runs: unknown)
-    times, losses, sent, start, timeline, skipped = [], [], [], Counter(opt.comm), None, 0
-    waits = []  # seconds of each step spent waiting on collectives (Meter.wait)
+    times, waits, losses, sent, timeline, skipped = [], [], [], [], None, 0  # waits: Meter.wait's
+    start = Counter(opt.comm)
     if first > args.steps:
         return log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is "
                    f"{args.steps}")
@@ -1732,37 +1623,32 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
         counted = counting()  # one per step, entered twice: the check between is not counted
         with counted:
             for micro in range(args.grad_accum):
-                x, y = get_batch(data, step, micro, rank, world, args.batch_size, args.seq_len,
-                                 args.seed)
+                x, y = get_batch(data, step, micro, dist.get_rank(), world, args.batch_size,
+                                 args.seq_len, args.seed)
                 with opt.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext():
-                    logits = net(x.to(device)).float()
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten())
-                    loss = loss / args.grad_accum
+                    loss = F.cross_entropy(net(x.to(device)).float().flatten(0, 1),
+                                           y.to(device).flatten()) / args.grad_accum
                     progress.note("the backward")
                     loss.backward()
                 loss_sum += loss.detach()
-            # The global gradient norm, clipped to --clip (0: a scale of exactly 1), checked below
             progress.note("the gradient reductions and norm")
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
-        # Divergence: a loss (of the global batch: every rank decides the same) or norm not
-        # finite is never applied, so never saved: the run stops (--skip-nonfinite: skips it).
+        # Not finite (the global batch's loss: every rank decides the same): never applied or saved
         work = dist.all_reduce(loss_sum, async_op=True)
         meter.wait(work) if meter else work.wait()
         loss, norm = loss_sum.item() / world, norm.item()
-        inf = float("inf")
-        finite = abs(loss) < inf and abs(norm) < inf  # False for nan too
-        if not finite and not args.skip_nonfinite:
-            what = " and ".join(f"the {name} is {value:g}" for name, value in
-                                (("loss", loss), ("gradient norm", norm)) if not abs(value) < inf)
+        bad = " and ".join(f"the {name} is {value:g}" for name, value in (("loss", loss), (
+            "gradient norm", norm)) if not abs(value) < float("inf"))  # (nan too)
+        if bad and not args.skip_nonfinite:
             saved = last_good or ("none written" if args.ckpt_dir else "none (no --ckpt-dir)")
-            raise Diverged(f"step {step}: {what}; stopped before this step was applied. Last good "
+            raise Diverged(f"step {step}: {bad}; stopped before this step was applied. Last good "
                            f"checkpoint: {saved} (try a lower --lr, or --skip-nonfinite)")
-        if finite:
+        if not bad:
             progress.note("the optimizer step")
             with counted:
                 opt.step()
             timeline = _memory().stop_timeline(opt) if step == args.record_step else timeline
-        skipped += not finite
+        skipped += bool(bad)
         progress.note("after the optimizer step")
         mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state held
         opt.zero_grad()
@@ -1775,14 +1661,12 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
         log(f"step {step:4d} | loss {loss:.6f} | {times[-1] * 1e3:8.1f} ms"
             + (f", {waits[-1] * 1e3:6.1f} waiting" if meter else "") + " | "
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
-            + ("" if finite else " | not finite: skipped, the weights are unchanged"))
-        every = args.ckpt_every and step % args.ckpt_every == 0
-        if args.ckpt_dir and (step == args.steps or every):
+            + (" | not finite: skipped, the weights are unchanged" if bad else ""))
+        if args.ckpt_dir and (step == args.steps or args.ckpt_every and not step % args.ckpt_every):
             last_good = ck.save(opt, args, step, world)
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
-    # Every rank's measurements, the largest over the ranks (-1: not measured). "used": the most
-    # allocated above the runtime (CPU: the data size at its peak, memory.Watch; CUDA: reserved).
+    # Every rank's measurements, the largest over the ranks (-1: not measured)
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
     peak, built = getattr(opt, "peak", {}), getattr(opt, "build_peak", {})
     mine = {**{("mem", k): v for k, v in mem.items()},
@@ -1800,9 +1684,8 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
            "comm": {k: (v - start[k]) / len(times) for k, v in opt.comm.items()},
            "cuda_peak": [r["cuda_peak"] for r in ranks] if cuda_peak >= 0 else None,
            "full": opt.full_state_dict() if keep_params else None,
-           **{key: most[key] for key in ("runtime", "used", "per_block")}}
-    for kind in ("mem", "peak", "build_peak"):
-        res[kind] = {k: most[kind, k] for k in mem}
+           **{key: most[key] for key in ("runtime", "used", "per_block")},
+           **{kind: {k: most[kind, k] for k in mem} for kind in ("mem", "peak", "build_peak")}}
     res["peak"] = res["peak"] if res["peak"]["params"] >= 0 else None
     return res
 
@@ -1812,12 +1695,10 @@ def report(res, args):
     G = args.shard_size or world  # hybrid sharding: what is sharded is 1/G
     n, (pb, gb, ob) = "N" if G == world else "G", bytes_per_parameter(args)
     formula = memory_formula(stage, psi, world, pb, gb, ob, shard_size=G)
-    labels = {"params": f"{pb}Ψ" + f"/{n}" * (stage >= 3),
-              "grads": f"{gb}Ψ" + f"/{n}" * (stage >= 2),
-              "optimizer": f"{ob}Ψ" + f"/{n}" * (stage >= 1),
-              "total": [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}",
-                        f"{pb}Ψ + {gb + ob}Ψ/{n}",
-                        f"{pb + gb + ob}Ψ/{n}"][stage]}
+    labels = {kind: f"{b}Ψ" + f"/{n}" * (stage >= s) for kind, b, s in
+              (("params", pb, 3), ("grads", gb, 2), ("optimizer", ob, 1))}
+    labels["total"] = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
+                       f"{pb + gb + ob}Ψ/{n}"][stage]
     peak, ours = res["peak"] or {}, res["label"].startswith("zero.py")  # notes on zero.py only
     log0(f"\nmodel state per rank, bytes (measured: largest over the {world} ranks, after the step;"
          f"\n  formula: {'mixed-precision' if args.bf16 else 'fp32'} AdamW)\n"
@@ -1945,9 +1826,8 @@ def training_parser(description):
     add("--clip", type=float, default=1.0, help="global gradient-norm clip; 0 turns it off")
     add("--backend", choices=["nccl", "gloo"],
         help="(default: nccl if every local rank has a GPU of its own, else gloo)")
-    add("--device", choices=["cpu", "cuda"],
-        help="(default: cuda if every local rank has a GPU of its own and --backend is not gloo, "
-             "else cpu)")
+    add("--device", choices=["cpu", "cuda"], help="(default: cuda if every local rank has a GPU of "
+        "its own and --backend is not gloo, else cpu)")
     for flag, text in [
             ("--skip-nonfinite", "skip a step whose loss or gradient norm is not finite (inf, "
                                  "nan) and go on, instead of stopping the run there"),
@@ -1957,18 +1837,15 @@ def training_parser(description):
             ("--no-step-check", "skip the per-step check that ranks communicated the same units "
                                 "(one 16-byte all_reduce a step)")]:
         add(flag, action="store_true", help=text)
-    add("--bucket-mb", type=float, default=0,
-        help="stages 0-2: cut the parameters into buckets of this many MiB (DDP: 25; 0: each "
-             "unit its own bucket)")
-    add("--shard-size", type=positive(int),
-        help="hybrid sharding: stages 1-3 shard over groups of G consecutive ranks, replicated "
-             "across the N/G groups (default: N, every rank)")
+    add("--bucket-mb", type=float, default=0, help="stages 0-2: cut the parameters into buckets of "
+        "this many MiB (DDP: 25; 0: each unit its own bucket)")
+    add("--shard-size", type=positive(int), help="hybrid sharding: stages 1-3 shard over groups of "
+        "G consecutive ranks, replicated across the N/G groups (default: N, every rank)")
     add("--init-from", metavar="FILE",
         help="start from a plain state_dict file, e.g. from --consolidate (default: a fresh model)")
-    add("--resume-from", metavar="DIR",
-        help="continue the run of a checkpoint, zero.py's or FSDP2's (DCP), of any stage and "
-             "world size: DIR, or the newest in DIR; a checkpoint in --ckpt-dir comes first "
-             "(default: none)")
+    add("--resume-from", metavar="DIR", help="continue the run of a checkpoint, zero.py's or "
+        "FSDP2's (DCP), of any stage and world size: DIR, or the newest in DIR; a checkpoint in "
+        "--ckpt-dir comes first (default: none)")
     add("--ckpt-dir", help="write checkpoints here and resume from the newest complete one; one "
                            "job per directory (default: no checkpoints)")
     add("--ckpt-every", type=positive(int),
@@ -1999,15 +1876,13 @@ def check_args(args):
              f"--lr {args.lr:g} is beyond float32's range"),
             (not 0 <= args.clip < float("inf"),
              f"--clip must be 0 (off) or a positive number, not {args.clip}"),
-            (not 0 <= args.bucket_mb * 2**20 < float("inf"),
-             f"--bucket-mb must be 0 (one bucket per unit) or a positive number, not "
-             f"{args.bucket_mb}"),
+            (not 0 <= args.bucket_mb * 2**20 < float("inf"), "--bucket-mb must be 0 (one bucket "
+             f"per unit) or a positive number, not {args.bucket_mb}"),
             (args.init_from and args.resume_from,
              "--init-from starts a run, --resume-from continues one: not both"),
             (not 0 <= args.seed < SEEDS, f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}"),
-            (not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1],
-             f"--timeout must be from {TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, not "
-             f"{args.timeout:g}"),
+            (not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1], "--timeout must be from "
+             f"{TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, not {args.timeout:g}"),
             (args.data is not None and (size is None or not os.access(args.data, os.R_OK)),
              f"--data {args.data}: not a file that can be read"),
             (args.ckpt_every and not args.ckpt_dir, "--ckpt-every needs --ckpt-dir")]:
@@ -2030,12 +1905,10 @@ def main(argv=None):
         help="Ψ for --estimate, e.g. 7.5e9 (default: none, --estimate needs it)")
     add("--world-size", type=positive(int),
         help="N for --estimate and --largest-model (default: none, they need it)")
-    add("--largest-model", action="store_true",
-        help="find the largest demo GPT (more blocks) each stage trains within --max-memory on "
-             "--world-size ranks, launching the trials itself")
-    add("--consolidate", metavar="DIR",
-        help="write the newest checkpoint in DIR (or DIR itself, a checkpoint) as one plain "
-             "state_dict (--out) and exit (default: train)")
+    add("--largest-model", action="store_true", help="find the largest demo GPT (more blocks) each "
+        "stage trains within --max-memory on --world-size ranks, launching the trials itself")
+    add("--consolidate", metavar="DIR", help="write the newest checkpoint in DIR (or DIR itself, a "
+        "checkpoint) as one plain state_dict (--out) and exit (default: train)")
     add("--out", metavar="FILE",
         help="--consolidate: the file to write, .pt, .safetensors or .dcp (default: none)")
     add("--timeline", metavar="FILE.svg",
@@ -2045,9 +1918,8 @@ def main(argv=None):
     add("--cluster", nargs="?", const="", metavar="KEY=VALUE,...",
         help="--estimate: predict the time of a step on this cluster too (tradeoffs.py: the "
              "keys, each with a default; none: the defaults)")
-    add("--tradeoffs", action="store_true",
-        help="train at every stage in this launch; print memory, bytes, time, waiting, "
-             "tokens/s, and the time model's prediction")
+    add("--tradeoffs", action="store_true", help="train at every stage in this launch; print "
+        "memory, bytes, time, waiting, tokens/s, and the time model's prediction")
     add("--unit-sizes", action="store_true", help="--tradeoffs: also with --units model, layer")
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
@@ -2083,9 +1955,8 @@ def main(argv=None):
 
 
 def run(main, argv=None):
-    """Run a command-line main (`def main():`, or `def main(argv):` given argv): bad input, a
-    loss or norm not finite, a rank out of memory (its own) are one line, exit code 2, 3, 4."""
-    import inspect  # a script's `def main():` takes nothing; zero.py's own main takes argv
+    """Run main() or main(argv): bad input, divergence, out of memory: one line, exit 2, 3, 4."""
+    import inspect
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
     try:
@@ -2093,8 +1964,7 @@ def run(main, argv=None):
     except (UsageError, Diverged) as e:
         code, line = (2 if isinstance(e, UsageError) else 3), f"error: {e}" * rank0
     except ValueError as e:
-        # wrap's own checks ("zero: ranks disagree: ...", on every rank before training) are not
-        # bugs but what the ranks were told to run: one line. Any other ValueError is a bug.
+        # wrap's own checks ("zero: ...") are what the ranks were told to run, not bugs
         if not str(e).startswith("zero: "):
             raise
         code, line = 2, f"error: {str(e)[len('zero: '):]}" * rank0
@@ -2106,8 +1976,7 @@ def run(main, argv=None):
         code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
                            ckpt) * rank0
     except (dist.DistError, RuntimeError) as e:
-        # Another rank died (its sockets close: gloo fails at once) or a collective waited past
-        # --timeout: not a bug of this rank, so one line, not a traceback. Anything else is a bug.
+        # Another rank died or a collective waited past --timeout: one line. Anything else: a bug
         if not isinstance(e, dist.DistError) and not any(m in str(e) for m in (
                 "gloo/transport", "Connection reset", "Connection closed", "Timed out",
                 "timed out", "timeout", "pair closure", "NCCL")):
@@ -2128,14 +1997,8 @@ def run(main, argv=None):
     sys.exit(code)
 
 
-def _checkpoints():  # checkpoints.py and memory.py, files of their own, imported where needed
-    import checkpoints
-    return checkpoints
-
-
-def _memory():
-    import memory
-    return memory
+# _checkpoints(), _memory(): checkpoints.py and memory.py, files of their own, imported when needed
+_checkpoints, _memory = (functools.partial(__import__, name) for name in ("checkpoints", "memory"))
 
 
 def say(line):
