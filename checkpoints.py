@@ -374,8 +374,11 @@ def _fsync_dir(path):
 
 
 def _sha256(path):
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _json_lines(d):  # a key a line

@@ -9,12 +9,13 @@ enforces, over the events of one step, and how large a model each stage trains w
 
 What it is: --max-memory (RLIMIT_DATA on CPU, the CUDA allocator's share on a GPU, and the
 peak data size a rank reached under it), --largest-model (a search that launches trials of N
-ranks and brackets each stage's wall), and --timeline (zero.py's Meter records every event of a
-step; this file draws them, as text and as an SVG).
+ranks and brackets each stage's wall), --timeline (zero.py's Meter records every event of a
+step; this file draws them, as text and as an SVG), and the check every run of the demo makes
+first: a model this machine cannot hold is refused before it is built (check_fits).
 
 What it uses of zero.py: train() and its Progress, the Meter's records (meter.timeline), the
 formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
-check_args). zero.py imports this file at the flags that need it.
+check_args). zero.py imports this file at the flags and the call that need it.
 """
 import argparse, bisect, contextlib, os, pathlib, signal, socket, sys, time
 from collections import namedtuple
@@ -39,12 +40,14 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 def memory_size(text):
     """--max-memory's type: '400MB', '2GiB', '1.5e9' (bytes) -> a number of bytes, at least
     1MB: what threads the runtime still starts need (their stacks count; below it one can abort
-    the process, in glibc). Not positive (or NaN) is below it too."""
+    the process, in glibc)."""
     number = text.strip().rstrip("BbIiKkMmGgTt ")
     try:
         size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB") from None
+        size = float("nan")
+    if size != size:  # not a number, or NaN
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB")
     if not 10**6 <= size < 2**62:
         raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 4EiB)" if size >= 2**62
                                          else f"{text} leaves no room for the threads the runtime "
@@ -201,6 +204,28 @@ def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device
 def _formula(args, stage, psi, world=None):  # the model state per rank by the formula, bytes
     return sum(memory_formula(stage, psi, world or args.world_size, *bytes_per_parameter(args),
                               args.shard_size).values())
+
+
+def check_fits(args, world, device):
+    """Refuse, in one line before it is built, a demo model whose state (the stage's formula)
+    and logits per rank exceed the memory there is: a floor, not a forecast (CPU: what is
+    available, shared by the local ranks; a GPU: its own, shared by the ranks on it)."""
+    one, two = _psi(args, 1), _psi(args, 2)  # Ψ grows by one block's parameters per block
+    psi = one + (args.n_layer - 1) * (two - one)
+    need = _formula(args, args.stage, psi, world) + 8 * args.batch_size * args.seq_len * 256
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+        ranks = -(-ranks // torch.cuda.device_count())
+    else:
+        try:
+            have = _sizes("/proc/meminfo")["MemAvailable"]
+        except (OSError, KeyError):  # not Linux: no floor to hold the model against
+            return
+    if need * ranks > have:
+        raise UsageError(f"this model needs at least {_si(need)}B per rank (its model state by "
+                         f"stage {args.stage}'s formula, Ψ = {psi:,}, and its logits), "
+                         f"{ranks} rank(s) here: more than the {_si(have)}B there is")
 
 
 def largest_model(args):

@@ -9,17 +9,21 @@ are not run here: a multi-node launch, a SLURM script, code to paste. How each o
   suite's pool of ranks (conftest.py), at the command's own world size, in the order of the text
   (one scenario a run of commands at one world size, each reading what the one before wrote), by
   the script's main(ARGS), from one working directory. A run the text shows at the default 30
-  steps is shortened to 3 (`--steps 3`); fsdp_demo.py --bench, to its models at a tiny size.
+  steps is shortened to 2 (`--steps 2`); fsdp_demo.py --bench, to its models at a tiny size.
 - `--max-memory`, `--largest-model` (a limit that stays with the process; trials of their own)
-  and `python gpu_check.py`: as processes of their own, all at once. gpu_check.py without a
+  and `python gpu_check.py`: as processes of their own, all at once, started as the session
+  starts (start_early), beside the rest of the suite. gpu_check.py without a
   GPU must say so and exit 2; with one it takes 10 minutes and is run by hand.
 - `pip install` (what CI runs first) and `python -m pytest` (this suite) are not run again;
-  of `pip install ... && command`, the command runs.
+  of `pip install ... && command`, the command runs. Nor is a command marked `# benchmark` (the
+  memory wall's search: trials of their own, half a minute), whose parts have tests of their
+  own; `python test_readme.py` runs it too.
 
 A command whose printed lines hold `error:` must fail (a non-zero exit code); any other must
 succeed.
 """
 import ast
+import atexit
 import contextlib
 import glob
 import importlib
@@ -30,6 +34,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -43,15 +48,18 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, HERE)
 SCRIPTS = ("zero.py", "fsdp_demo.py", "mistakes.py")
 
 
+BLOCK = {}  # where -> (doc, the number of its code block): a block's commands run in order
+
+
 def commands(doc):
     """[(where, command, [the lines it printed])] of one markdown file, in order."""
-    found, inside, current = [], False, None
+    found, inside, current, blocks = [], False, None, 0
     lines = open(os.path.join(HERE, doc), encoding="utf-8").read().splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
         if line.startswith("```"):
-            inside, current = not inside, None
+            inside, current, blocks = not inside, None, blocks + (not inside)
         elif inside and line.startswith("$ "):
             command, at = line[2:], i + 1
             while command.endswith("\\"):
@@ -59,6 +67,7 @@ def commands(doc):
                 command = command[:-1] + " " + lines[i].strip()
             current = [f"{doc}:{at}", command, []]
             found.append(current)
+            BLOCK[current[0]] = doc, blocks
         elif current is not None and line.strip() not in ("", "..."):
             current[2].append(line)
         i += 1
@@ -68,7 +77,7 @@ def commands(doc):
 def kind(command):
     """'skip', 'process' or ('pool', world, script, argv) for one command (of `A && B`, B)."""
     words = shlex.split(command.split(" #")[0].split("&&")[-1])
-    if words[0] == "pip" or words[:3] == ["python", "-m", "pytest"]:
+    if words[0] == "pip" or words[:3] == ["python", "-m", "pytest"] or "# benchmark" in command:
         return "skip"
     if "gpu_check.py" in words or "--max-memory" in words or "--largest-model" in words:
         return "process"
@@ -81,7 +90,7 @@ def kind(command):
     script, argv = words[at], words[at + 1:]
     if "--steps" not in argv and not {"--estimate", "--consolidate", "--list"} & set(argv) \
             and script != "mistakes.py":
-        argv += ["--steps", "3"]  # the default 30, shortened
+        argv += ["--steps", "2"]  # the default 30, shortened
     return "pool", world, script, argv
 
 
@@ -89,14 +98,16 @@ EVERY = [c for doc in DOCS for c in commands(doc)]
 
 
 def segments():
-    """[(world, [commands])]: the pool's commands, cut where the world size changes."""
+    """[(world, block, [commands])]: the pool's commands, cut where the world size or the code
+    block changes. The commands of one block run in order (one writes a checkpoint, the next
+    resumes from it); the blocks are independent."""
     out = []
     for where, command, printed in EVERY:
         k = kind(command)
         if k[0] == "pool":
-            if not out or out[-1][0] != k[1]:
-                out.append((k[1], []))
-            out[-1][1].append((where, k[2], k[3]))
+            if not out or out[-1][:2] != (k[1], BLOCK[where]):
+                out.append((k[1], BLOCK[where], []))
+            out[-1][2].append((where, k[2], k[3]))
     return out
 
 
@@ -132,7 +143,11 @@ def make_segment(i, world, cmds):
         os.chdir(folder)
         try:
             for where, script, argv in cmds:
+                t0 = time.perf_counter()
                 out[where] = run_main(script, argv)
+                if rank == 0 and os.environ.get("ZERO_TEST_TIMES"):
+                    print(f"  {where} {script} {' '.join(argv)}: "
+                          f"{time.perf_counter() - t0:.2f} s", file=sys.__stderr__, flush=True)
         finally:
             os.chdir(cwd)
         return out
@@ -141,30 +156,50 @@ def make_segment(i, world, cmds):
     return segment
 
 
-SEGMENTS = []
-for i, (world, cmds) in enumerate(segments()):
+SEGMENTS, previous = [], None
+for i, (world, block, cmds) in enumerate(segments()):
     fn = make_segment(i, world, cmds)
     globals()[fn.__name__] = fn  # where the pool finds it (by its module and name)
-    SEGMENTS.append(scenario(world, reads=SEGMENTS[-1:])(fn))
+    SEGMENTS.append(scenario(world, reads=SEGMENTS[-1:] if block == previous else [])(fn))
+    previous = block
 
 
-@pytest.fixture(scope="module")
-def processes(tmp_path_factory):
-    """{where: (exit code, stdout + stderr)} of the commands that run as processes, all at once."""
-    folder = tmp_path_factory.mktemp("readme")
-    procs = {}
+LAUNCHED = {}  # where -> (its process, the file its output goes to)
+
+
+def start_early():
+    """The commands that run as processes, started at once, as the session starts (conftest.py
+    calls this once the tests are collected): they run beside the rest of the suite."""
+    folder = tempfile.mkdtemp(prefix="readme-")
     for where, command, _ in EVERY:
-        if kind(command) != "process":
-            continue
-        if "gpu_check.py" in command and torch.cuda.is_available():
-            continue  # 10 minutes on a GPU: run by hand
+        if kind(command) != "process" or "gpu_check.py" in command and torch.cuda.is_available():
+            continue  # (gpu_check.py on a GPU: 10 minutes, run by hand)
         words = shlex.split(command.split(" #")[0].split("&&")[-1])
         words = [os.path.join(HERE, w) if w in SCRIPTS + ("gpu_check.py",) else w for w in words]
         words = [sys.executable, "-m", "torch.distributed.run", *words[1:]] \
             if words[0] == "torchrun" else [sys.executable, *words[1:]]
-        procs[where] = subprocess.Popen(words, cwd=folder, env=ENV, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return {where: (p.wait(timeout=900), p.stdout.read()) for where, p in procs.items()}
+        if "--max-memory" in words and "--steps" not in words and "--largest-model" not in words:
+            words += ["--steps", "2"]  # the default 30, shortened
+        out = open(os.path.join(folder, f"{len(LAUNCHED)}.out"), "w+", encoding="utf-8")
+        LAUNCHED[where] = subprocess.Popen(words, cwd=folder, env=ENV, text=True, stdout=out,
+                                           stderr=subprocess.STDOUT), out
+    atexit.register(lambda: [p.kill() for p, _ in LAUNCHED.values() if p.poll() is None])
+
+
+@pytest.fixture(scope="module")
+def processes():
+    """{where: (exit code, stdout + stderr)} of the commands that run as processes."""
+    if not LAUNCHED:
+        start_early()
+    t0, done = time.perf_counter(), {}
+    for where, (p, out) in LAUNCHED.items():
+        code = p.wait(timeout=900)
+        out.seek(0)
+        done[where] = (code, out.read())
+        if os.environ.get("ZERO_TEST_TIMES"):
+            print(f"  process {where}: waited {time.perf_counter() - t0:.1f} s",
+                  file=sys.__stderr__)
+    return done
 
 
 def shape(line):
@@ -188,7 +223,7 @@ def check(where, printed, code, out):
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_command_runs_and_prints_what_the_text_quotes(doc, ran, processes):
     results = {}
-    for fn, (world, _) in zip(SEGMENTS, segments()):
+    for fn, (world, _, _) in zip(SEGMENTS, segments()):
         results.update(ran(fn, world)[0])
     results.update(processes)
     checked = 0
@@ -242,7 +277,7 @@ def update(docs):
         path = os.path.join(HERE, doc)
         lines = open(path, encoding="utf-8").read().split("\n")
         for where, command, printed in commands(doc):
-            if kind(command) == "skip":
+            if kind(command) == "skip" and "# benchmark" not in command:
                 continue
             words = shlex.split(command.split(" #")[0].split("&&")[-1])
             words = [os.path.join(HERE, w) if w in SCRIPTS + ("gpu_check.py",) else w

@@ -1538,31 +1538,6 @@ class Progress:
         return 0
 
 
-def check_fits(args, world, device):
-    """Refuse a model whose state (the formula) and logits per rank exceed the memory there is."""
-    with torch.device("meta"):  # Ψ grows by one block's parameters per block
-        one, two = (sum(p.numel() for p in GPT(args.seq_len, args.d_model, n, args.n_head)
-                        .parameters()) for n in (1, 2))
-    psi = one + (args.n_layer - 1) * (two - one)
-    need = sum(memory_formula(args.stage, psi, world, *bytes_per_parameter(args),
-                              args.shard_size).values()) + 8 * args.batch_size * args.seq_len * 256
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-        ranks = -(-ranks // torch.cuda.device_count())  # the ranks that share this GPU
-    else:
-        try:
-            with open("/proc/meminfo") as f:
-                have = next(int(line.split()[1]) * 1024 for line in f
-                            if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration):  # not Linux: no floor to hold the model against
-            return
-    if need * ranks > have:
-        raise UsageError(f"this model needs at least {_si(need)}B per rank (its model state by "
-                         f"stage {args.stage}'s formula, Ψ = {psi:,}, and its logits), "
-                         f"{ranks} rank(s) here: more than the {_si(have)}B there is")
-
-
 def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16, else fp32 AdamW
     return (2, 2, 12) if args.bf16 else (4, 4, 8)
 
@@ -1571,7 +1546,7 @@ def train(args, build=None, keep_params=False, quiet=False):
     """Train the demo model; return what every rank measured. build(model, device) -> (model,
     optimizer, label) parallelizes the meta-device model (zero_build; fsdp_demo.py: PyTorch's)."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
-    check_fits(args, world, device)
+    _memory().check_fits(args, world, device)  # a model this machine cannot hold: refused
     watch = args.max_memory and device.type == "cpu"  # the data size too (memory.py)
     progress = _memory().Watch() if watch else Progress()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
