@@ -781,8 +781,7 @@ def _own_storage(t):
     """t, in a storage of its own that shares its memory (a slice of the memory-mapped part's
     storage): torch.save writes a tensor's whole storage, which for a view is the whole part."""
     s, at = t.untyped_storage(), t.storage_offset() * t.element_size()
-    return torch.empty(0, dtype=t.dtype).set_(s[at:at + t.numel() * t.element_size()], 0,
-                                             t.shape)
+    return torch.empty(0, dtype=t.dtype).set_(s[at:at + t.numel() * t.element_size()], 0, t.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -927,9 +926,8 @@ def consolidate_command(args):
     (or CheckpointError) before anything is written."""
     if not (out := args.out):
         raise UsageError("--consolidate needs --out FILE (.pt, .safetensors, or .dcp)")
-    kind = "safetensors" if out.endswith(".safetensors") else "pt" if out.endswith(
-        (".pt", ".pth")) else "dcp" if out.endswith((".dcp", os.sep)) or os.path.isdir(out) \
-        else None
+    kind = ("safetensors" if out.endswith(".safetensors") else "pt" if out.endswith((".pt", ".pth"))
+            else "dcp" if out.endswith((".dcp", os.sep)) or os.path.isdir(out) else None)
     where = os.path.dirname(out.rstrip(os.sep)) or "."
     problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
                "is a directory" if os.path.isdir(out) and kind != "dcp" else

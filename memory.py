@@ -98,8 +98,7 @@ def limit_memory(size, device, watch=None):
             watch.start()
         return _sizes()["VmRSS"]
     except (OSError, ValueError) as e:
-        raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") \
-            from None
+        raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") from None
 
 
 def raise_if_out_of_memory(e, args, model, progress):
@@ -195,10 +194,11 @@ def check_largest_model_args(args):
                          "more: --world-size 2 at least")
 
 
-def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device (no memory)
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(args.seq_len, args.d_model, layers,
-                                          args.n_head).parameters())
+def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device (no memory):
+    with torch.device("meta"):  # one block's, then one block's more per block
+        model = GPT(args.seq_len, args.d_model, 1, args.n_head)
+    per_block = sum(p.numel() for p in model.blocks[0].parameters())
+    return sum(p.numel() for p in model.parameters()) + (layers - 1) * per_block
 
 
 def _formula(args, stage, psi, world=None):  # the model state per rank by the formula, bytes
@@ -210,8 +210,7 @@ def check_fits(args, world, device):
     """Refuse, in one line before it is built, a demo model whose state (the stage's formula)
     and logits per rank exceed the memory there is: a floor, not a forecast (CPU: what is
     available, shared by the local ranks; a GPU: its own, shared by the ranks on it)."""
-    one, two = _psi(args, 1), _psi(args, 2)  # Ψ grows by one block's parameters per block
-    psi = one + (args.n_layer - 1) * (two - one)
+    psi = _psi(args, args.n_layer)
     need = _formula(args, args.stage, psi, world) + 8 * args.batch_size * args.seq_len * 256
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if device.type == "cuda":
@@ -241,12 +240,11 @@ def largest_model(args):
         raise UsageError(f"--largest-model: {N} ranks x --max-memory {_si(args.max_memory)}B is "
                          f"more than this machine's available memory ({_si(free)}B): the kernel "
                          "would stop the trials, not the limit")
-    one, two = _psi(args, 1), _psi(args, 2)  # Ψ grows by one block's parameters per block
 
     def model_state(stage, layers):
         """The formula's, and in mixed precision step()'s fp32 copy of the gradients stepped
         (unit.step_grad): model state that grows with the model as the formula's does."""
-        psi = one + (layers - 1) * (two - one)
+        psi = _psi(args, layers)
         copy = 4 * psi / (1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
         return _formula(args, stage, psi) + copy
     # rows: the table's; walls: each stage's largest trial that fitted (a Fit)
@@ -491,9 +489,9 @@ def timeline_panel(res, args):
                  groups=f", G = {G}" if G < N else "", events=res["timeline"],
                  dtype="bf16 mixed precision" if args.bf16 else "fp32",
                  formula=memory_formula(s, res["psi"], N, pb, gb, ob, shard_size=G),
-                 symbols={"params": f"{pb}Ψ" + f"/{n}" * (s >= 3),
-                          "grads": f"{gb}Ψ" + f"/{n}" * (s >= 2),
-                          "optimizer": f"{ob}Ψ" + f"/{n}" * (s >= 1)})
+                 # each kind sharded (/N) from its stage on: optimizer 1, grads 2, params 3
+                 symbols={k: f"{b}Ψ" + f"/{n}" * (s >= first) for k, b, first in
+                          [("params", pb, 3), ("grads", gb, 2), ("optimizer", ob, 1)]})
 
 
 def _total(e):
