@@ -520,8 +520,9 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     # the part this rank writes: its rank, if G = N
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
 
-    # if any rank failed (each is done writing by then): what this save wrote goes
-    undo = lambda: opt.rank == 0 and shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
+    def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
+        if opt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # (torch.save reports some failed writes as RuntimeError)
     with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):

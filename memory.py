@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, bytes_per_parameter, \
-    check_args, gpu_each, log0, memory_formula, train, training_parser
+    check_args, formula_symbols, gpu_each, log0, memory_formula, train, training_parser
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
@@ -489,9 +489,7 @@ def timeline_panel(res, args):
                  groups=f", G = {G}" if G < N else "", events=res["timeline"],
                  dtype="bf16 mixed precision" if args.bf16 else "fp32",
                  formula=memory_formula(s, res["psi"], N, pb, gb, ob, shard_size=G),
-                 # each kind sharded (/N) from its stage on: optimizer 1, grads 2, params 3
-                 symbols={k: f"{b}Ψ" + f"/{n}" * (s >= first) for k, b, first in
-                          [("params", pb, 3), ("grads", gb, 2), ("optimizer", ob, 1)]})
+                 symbols=formula_symbols(s, n, pb, gb, ob))
 
 
 def _total(e):

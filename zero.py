@@ -620,7 +620,8 @@ def choose_device(backend, device):
 
 
 def _attempt_store(timeout):
-    """torchrun's store, keys prefixed by the restart attempt (else: dead ranks' addresses)."""
+    """torchrun's store, keys prefixed by the restart attempt: after --max-restarts the store
+    still holds the dead ranks' addresses, and a rank that read one would wait for ever."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), timeout=timeout,
@@ -892,7 +893,8 @@ PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
 def optimizer_pieces(zero):
-    """The tensors the optimizer steps: each unit's master cut into pieces (views)."""
+    """The tensors the optimizer steps: each unit's master cut into pieces (views); u.owners:
+    the parameters each holds elements of. Cut where parameters start only when needed."""
     zero.piece = PIECE.get(zero.units[0].flat.device.type, PIECE["cuda"])
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
@@ -933,6 +935,7 @@ def split_pieces(zero, units):
 # Speed 4: gloo's reduce_scatter_tensor and all_gather_into_tensor on CPU are slower than its
 # all-reduce (fsdp_demo.py --bench). So (DIRECT) reduce-scatter = an all_to_all + a local sum (the
 # price: its receive buffer; above A2A_BYTES, N reduces), all-gather = N broadcasts: same bytes.
+# Other backends, CUDA tensors and DIRECT = False: torch's own calls.
 DIRECT = True
 A2A_BYTES = 16 << 20
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
@@ -1042,7 +1045,8 @@ class Meter:
         self.seconds, self.events, self.cuda = 0.0, [], zero.device.type == "cuda"
 
     def wait(self, work):
-        """work.wait(), timed: what overlap did not hide (CUDA: the stall, by CUDA events)."""
+        """work.wait(), timed: what overlap did not hide. CPU: this thread's time inside wait()
+        (gloo's local sum after an all-to-all included); CUDA: the stream's stall, by events."""
         if not self.cuda:
             start = time.perf_counter()
             work.wait()
@@ -1119,6 +1123,11 @@ def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8
     return {"params": param_bytes * psi / (n if stage >= 3 else 1),
             "grads": grad_bytes * psi / (n if stage >= 2 else 1),
             "optimizer": optim_bytes * psi / (n if stage >= 1 else 1)}
+
+
+def formula_symbols(stage, n, pb, gb, ob):  # memory_formula's, as text: {"params": "4Ψ/N"...}
+    return {kind: f"{b}Ψ" + f"/{n}" * (stage >= s) for kind, b, s in
+            (("params", pb, 3), ("grads", gb, 2), ("optimizer", ob, 1))}
 
 
 def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batches=1,
@@ -1256,7 +1265,8 @@ def check_gradient(zero, p):
 
 def recomputing(zero, units):
     """Whether a forward runs inside a backward (activation checkpointing), whose forward hook may
-    never run: the units are gathered here, no users counted, until their gradient is reduced."""
+    never run (non-reentrant checkpointing stops once it has what it needs): the units are
+    gathered here, no users counted, until their gradient is reduced."""
     if torch._C._current_graph_task_id() == -1:
         return False
     zero._queue_end_of_backward()  # on this backward, not on a nested one (reentrant)
@@ -1267,7 +1277,8 @@ def recomputing(zero, units):
 
 def count_unused(zero, unit):
     """Stages 0, 1: a parameter unused here is reduced as zeros, its .grad None; its slice then
-    holds the others' mean, which step() shows as p.grad if some rank used p, as DDP."""
+    holds the others' mean, which step() shows as p.grad if some rank used p, as DDP. (Zeros
+    kept by zero_grad(set_to_none=False) are a gradient.)"""
     if zero.keeps_full_grads:
         for p in unit.params:
             if p.grad is None and p not in unit.hidden:
@@ -1670,8 +1681,7 @@ def report(res, args):
     G = args.shard_size or world  # hybrid sharding: what is sharded is 1/G
     n, (pb, gb, ob) = "N" if G == world else "G", bytes_per_parameter(args)
     formula = memory_formula(stage, psi, world, pb, gb, ob, shard_size=G)
-    labels = {kind: f"{b}Ψ" + f"/{n}" * (stage >= s) for kind, b, s in
-              (("params", pb, 3), ("grads", gb, 2), ("optimizer", ob, 1))}
+    labels = formula_symbols(stage, n, pb, gb, ob)
     labels["total"] = [f"{pb + gb + ob}Ψ", f"{pb + gb}Ψ + {ob}Ψ/{n}", f"{pb}Ψ + {gb + ob}Ψ/{n}",
                        f"{pb + gb + ob}Ψ/{n}"][stage]
     peak, ours = res["peak"] or {}, res["label"].startswith("zero.py")  # notes on zero.py only
