@@ -15,19 +15,27 @@ A launch starts when a test first asks for one of its scenarios. Where a GPU is 
 cases (ids with "cuda") run the same scenarios on CUDA tensors in a second pool; elsewhere they
 are skipped, saying what is missing. ZERO_TEST_TIMES=1 (with pytest -s) prints each scenario's
 seconds: where the suite's time goes.
+
+A test that runs a command end to end and only reads what it printed declares it Early: the
+session runs those one after another in the background from the start, beside the pool, so that
+no test waits for its own process with a core idle.
 """
+import atexit
 import contextlib
 import copy
 import functools
+import gc
 import io
 import json
 import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -65,6 +73,27 @@ def pytest_collection_finish(session):
     for module in dict.fromkeys(item.module for item in session.items):
         if hasattr(module, "start_early"):
             module.start_early()
+    start_early(session.items)  # and the processes declared Early
+    freeze_modules()
+
+
+def pytest_runtest_teardown(item):
+    freeze_modules()
+
+
+MODULES = [0]  # how many modules were imported at the last freeze_modules()
+
+
+def freeze_modules():
+    """After new imports (torch, torch._dynamo with the first optimizer, FSDP2's modules): what is
+    alive now moves out of the garbage collector's sight (gc.freeze), once the garbage is gone.
+    Imports leave hundreds of thousands of objects that live as long as the process, and each
+    full collection would walk them all again: a gc.collect() of the tests, or of fsdp_demo's
+    compare(), took half a second in a rank process."""
+    if len(sys.modules) > MODULES[0]:
+        MODULES[0] = len(sys.modules)
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_configure(config):
@@ -142,6 +171,7 @@ def _rank_process(conn, transport):
     if transport == "cpu":  # CPU runs on the CPU, wherever GPUs are visible
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     defaults = {name: copy.deepcopy(getattr(zero, name)) for name in ZERO_SETTINGS}
+    freeze_modules()
     while (task := conn.recv()) is not None:
         rank, world, port, keys, shared, folder = task
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -162,6 +192,7 @@ def _rank_process(conn, transport):
                           file=sys.__stderr__, flush=True)
                 torch.save(out if transport == "cpu" else on_cpu(out),
                            os.path.join(folder, f"{module}.{name}.{rank}.pt"))
+                freeze_modules()
                 conn.send(None)
             except BaseException:
                 conn.send(traceback.format_exc())
@@ -468,14 +499,62 @@ def main_refused(main, argv):
     return None, printed.getvalue()
 
 
-def run_py(*args, torchrun=0, script=os.path.join(HERE, "zero.py"), torchrun_args=(), env=ENV):
-    """script (zero.py) with args, as a process of its own (on the CPU: env hides the GPUs), or
-    under torchrun with that many ranks."""
-    launcher = [sys.executable, *(["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
-                                   *torchrun_args]
-                                  if torchrun else [])]
-    return subprocess.run(launcher + [script, *args], capture_output=True, text=True, timeout=300,
+def command(*args, torchrun=0, script=os.path.join(HERE, "zero.py"), torchrun_args=()):
+    """The command line of script (zero.py) with args: a process of its own, or torchrun's with
+    that many ranks."""
+    return [sys.executable, *(["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
+                               *torchrun_args] if torchrun else []), script, *args]
+
+
+def run_py(*args, env=ENV, **how):
+    """command(*args, **how) run to its end (on the CPU: env hides the GPUs)."""
+    return subprocess.run(command(*args, **how), capture_output=True, text=True, timeout=300,
                           env=env, cwd=HERE)
+
+
+class Early:
+    """A process whose output a test reads, declared where its test file is imported, with
+    run_py's arguments. Once the tests are collected, the session runs the early processes of
+    its test files one after another in the background, beside the rank pool: a test then finds
+    its process done where it would have waited for it, one core idle. result(): the
+    CompletedProcess, once it has ended (started now if it had not been). fixture: a process of
+    conftest.py's, run where a test uses that fixture."""
+    declared = []
+
+    def __init__(self, *args, env=ENV, fixture=None, **how):
+        self.module, self.fixture = sys._getframe(1).f_globals["__name__"], fixture
+        self.words, self.env, self.proc, self.done = command(*args, **how), env, None, None
+        self.lock = threading.Lock()
+        Early.declared.append(self)
+
+    def start(self):
+        with self.lock:  # (the background's thread, or a test's)
+            if self.proc is None:
+                self.files = [tempfile.TemporaryFile("w+", encoding="utf-8") for _ in "12"]
+                self.proc = subprocess.Popen(self.words, stdout=self.files[0],
+                                             stderr=self.files[1], env=self.env, cwd=HERE)
+        return self.proc
+
+    def result(self):
+        if self.done is None:
+            try:
+                code = self.start().wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                raise
+            for f in self.files:
+                f.seek(0)
+            self.done = subprocess.CompletedProcess(self.words, code,
+                                                    *(f.read() for f in self.files))
+        return self.done
+
+
+def start_early(items):
+    """Run the early processes these tests read, one after another, in a thread of their own."""
+    used = {name for item in items for name in item.fixturenames}
+    todo = [e for e in Early.declared if e.module in SELECTED or e.fixture in used]
+    threading.Thread(target=lambda: [e.start().wait() for e in todo], daemon=True).start()
+    atexit.register(lambda: [e.proc.kill() for e in todo if e.proc and e.proc.poll() is None])
 
 
 def launcher_script(path, body):
@@ -497,25 +576,29 @@ def one_rank():
         dist.destroy_process_group()
 
 
+EARLY = tempfile.mkdtemp(prefix="zero-early-")  # the early processes' files, gone at exit
+atexit.register(shutil.rmtree, EARLY, True)
+MISSING = os.path.join(EARLY, "none.pt")
+REFUSED = {  # bad command lines, end to end: name -> (its process, what stderr must name)
+    "argument": (Early("--stage", "7", fixture="refused"), "argument --stage"),
+    # found once the process group exists and the model is built
+    "after setup": (Early(*SMALL, "--init-from", MISSING, fixture="refused"),
+                    f"--init-from {MISSING}"),
+    "fsdp_demo.py": (Early("--stage", "1", "--bf16", script=os.path.join(HERE, "fsdp_demo.py"),
+                           fixture="refused"), "--bf16"),
+    "mistakes.py": (Early("no-such-mistake", script=os.path.join(HERE, "mistakes.py"),
+                          fixture="refused"), "no mistake named 'no-such-mistake'")}
+
+
 @pytest.fixture(scope="session")
-def refused(tmp_path_factory):
-    """Bad command lines run end to end, each a process of its own, all at once: {name: (exit
-    code, stdout, stderr, what stderr must name)}. The rest are checked in-process (zero.main),
-    where the check is about the message."""
-    missing = str(tmp_path_factory.mktemp("refused") / "none.pt")
-    runs = {"argument": (["zero.py", "--stage", "7"], "argument --stage"),
-            # found once the process group exists and the model is built
-            "after setup": (["zero.py", *SMALL, "--init-from", missing], f"--init-from {missing}"),
-            "fsdp_demo.py": (["fsdp_demo.py", "--stage", "1", "--bf16"], "--bf16"),
-            "mistakes.py": (["mistakes.py", "no-such-mistake"],
-                            "no mistake named 'no-such-mistake'")}
-    procs = {name: subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=ENV, cwd=HERE)
-             for name, (args, _) in runs.items()}
+def refused():
+    """Bad command lines run end to end, each a process of its own: {name: (exit code, stdout,
+    stderr, what stderr must name)}. The rest are checked in-process (zero.main), where the
+    check is about the message."""
     done = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        done[name] = (proc.returncode, out, err, runs[name][1])
+    for name, (process, message) in REFUSED.items():
+        out = process.result()
+        done[name] = (out.returncode, out.stdout, out.stderr, message)
     return done
 
 
@@ -558,11 +641,14 @@ zero.run(main)
 """
 
 
+CLI = Early(script=launcher_script(os.path.join(EARLY, "runs.py"),
+                                   CLI_DRIVER.format(runs=CLI_RUNS)),
+            torchrun=4, fixture="cli_runs")
+
+
 @pytest.fixture(scope="session")
-def cli_runs(tmp_path_factory):
-    path = launcher_script(tmp_path_factory.mktemp("cli") / "runs.py",
-                           CLI_DRIVER.format(runs=CLI_RUNS))
-    out = run_py(script=path, torchrun=4)
+def cli_runs():
+    out = CLI.result()
     parts = re.split(r"^=== (.+)\n", out.stdout, flags=re.M)[1:]
     return out, dict(zip(parts[::2], parts[1::2]))
 

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 
 import checkpoints
 import zero
-from conftest import (B, CASES, CKPT, CUDA_RUNS, SMALL, TINY, Net, assert_trains_like,
-                      full_checkpoint, launcher_script, losses, main_printed, main_refused, run_id,
-                      run_py, run_steps, scenario, wrapped)
+from conftest import (B, CASES, CKPT, CUDA_RUNS, EARLY, SMALL, TINY, Early, Net,
+                      assert_trains_like, full_checkpoint, launcher_script, losses, main_printed,
+                      main_refused, run_id, run_py, run_steps, scenario, wrapped)
 from test_zero import (TASKS_OPTIMIZER, Tasks, TwoDtypes, tasks_reference, tasks_steps,
                        two_dtypes_steps)
 
@@ -422,18 +422,21 @@ zero.run(zero.main)
 """
 
 
-def test_a_killed_rank_restarts_and_resumes_exactly(ran, shared, tmp_path):
+# (Before zero.setup prefixed the store's keys by the restart attempt, the restarted ranks here
+# read the dead ranks' addresses and waited for ever: see zero._attempt_store.)
+KILLED_CKPT = os.path.join(EARLY, "killed")
+KILLED = Early(*CKPT, "--steps", str(KILLED_STEPS), "--ckpt-every", "4", "--ckpt-dir", KILLED_CKPT,
+               script=launcher_script(os.path.join(EARLY, "killed.py"), KILLER), torchrun=2,
+               torchrun_args=["--max-restarts=1"])
+
+
+def test_a_killed_rank_restarts_and_resumes_exactly(ran, shared):
     # torchrun --max-restarts=1: rank 1 is SIGKILLed once the checkpoint of step 4 is complete;
     # torchrun restarts the group, which resumes from that checkpoint. The final weights and Adam
     # state equal an uninterrupted run's, bit for bit. The rank kills itself (KILLER, a launcher
     # of zero.main), always right after that checkpoint: killed from outside when the checkpoint
     # shows up, how many more steps it had trained by then would be a matter of timing.
-    ckpt = str(tmp_path / "killed")
-    # (Before zero.setup prefixed the store's keys by the restart attempt, the restarted ranks
-    # here read the dead ranks' addresses and waited for ever: see zero._attempt_store.)
-    out = run_py(*CKPT, "--steps", str(KILLED_STEPS), "--ckpt-every", "4", "--ckpt-dir", ckpt,
-                 script=launcher_script(tmp_path / "killed.py", KILLER), torchrun=2,
-                 torchrun_args=["--max-restarts=1"])
+    out, ckpt = KILLED.result(), KILLED_CKPT
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = re.findall(r"^resumed from .*step_(\d+): step (\d+)", out.stdout, re.M)
     assert resumed == [("00000004", "4")], out.stdout[-2000:]

@@ -21,8 +21,6 @@ import io
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -30,8 +28,8 @@ import torch
 
 import memory
 import zero
-from conftest import (CUDA_ENV, HERE, MODEL, SMALL, TINY, cuda_missing, losses, run_py,
-                      scenario)
+from conftest import (CUDA_ENV, EARLY, MODEL, SMALL, TINY, Early, cuda_missing, losses,
+                      run_py, scenario)
 
 # ----------------------------------------------------------------------------------------------
 # The timeline of one step (--timeline, --timeline-all): what it records, draws and prints
@@ -124,6 +122,10 @@ def test_timeline_text_fits_100_columns(timelines):
     assert "model state per rank" in timelines[0]["bf16"]["stdout"]  # --timeline: the report too
 
 
+UNWRITABLE_SVG = os.path.join(EARLY, "missing", "t.svg")
+UNWRITABLE = Early("--timeline", UNWRITABLE_SVG)
+
+
 def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
     cases = [(["--timeline", str(tmp_path)], "is a directory"),
              (["--timeline", str(tmp_path / "t.svg"), "--steps", "1"], "--steps must be 2"),
@@ -135,17 +137,23 @@ def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
     for args, message in cases:  # refused before any process group or training
         with pytest.raises(zero.UsageError, match=re.escape(message)):
             zero.main(args)
-    out = run_py("--timeline", str(tmp_path / "missing" / "t.svg"))  # and from the command line
+    out = UNWRITABLE.result()  # and from the command line
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("zero.py: error: cannot write ")
     assert "no such writable" in out.stderr
     assert "step " not in out.stdout and os.listdir(tmp_path) == []
+    assert not os.path.exists(os.path.dirname(UNWRITABLE_SVG))
 
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank (--max-memory), and the memory wall found by trying (--largest-model)
 
-def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs, tmp_path):
+TOO_SMALL = Early("--stage", "0", "--d-model", "256", "--n-layer", "2", "--n-head", "4",
+                  "--seq-len", "16", "--steps", "2", "--max-memory", "4MB", "--timeout", "30",
+                  torchrun=2)
+
+
+def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs):
     # Under --max-memory 300MB per rank the tiny model trains as without it (4 ranks, torchrun).
     # With 4MB, stage 0's 16Ψ = 26 MB cannot even be built: every rank says so in one line
     # (which rank, where, the formula), and the job ends (no rank waits for another).
@@ -154,9 +162,7 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs, tmp_path)
                      r"(\S+)B of it not model state; the runtime itself (\S+)B "
                      r"\(largest over the ranks\)$", cli_runs[1]["max-memory"], re.M)
     assert used, cli_runs[1]["max-memory"][-1500:]
-    out = run_py("--stage", "0", "--d-model", "256", "--n-layer", "2", "--n-head", "4",
-                 "--seq-len", "16", "--steps", "2", "--max-memory", "4MB", "--timeout", "30",
-                 torchrun=2)
+    out = TOO_SMALL.result()
     assert out.returncode != 0
     # (a rank whose partner ran out first may instead fail in the collective it waits in)
     lines = [line for line in out.stderr.splitlines() if line.startswith("zero.py: error: rank")
@@ -171,24 +177,25 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs, tmp_path)
     assert 'zero.py", line' not in out.stderr
 
 
+# In a process of its own: the limit stays with the process.
+PEAK_BETWEEN_SAMPLES = Early("\n".join([
+    "import torch, memory",
+    "torch.set_num_threads(1)",
+    "memory.limit_memory(200 * 10**6, torch.device('cpu'))",
+    "watch = memory.Watch()",
+    "watch.start()",
+    "watch.note('before')",
+    "x = torch.ones(40 * 10**6 // 4)  # 40 MB, made and freed between two samples",
+    "del x",
+    "watch.note('after')",
+    "print(watch.data - watch.data0, watch.used())"]), script="-c")
+
+
 def test_peak_data_sees_a_peak_between_samples():
     # Under --max-memory the data size is sampled at each block's forward and backward (note());
     # a tensor made and freed between two samples is missed there, not by Watch.peak(), which
-    # takes the peak from Linux's peak of the address space. In a process of its own: the limit
-    # stays with the process.
-    script = "\n".join([
-        "import torch, memory",
-        "torch.set_num_threads(1)",
-        "memory.limit_memory(200 * 10**6, torch.device('cpu'))",
-        "watch = memory.Watch()",
-        "watch.start()",
-        "watch.note('before')",
-        "x = torch.ones(40 * 10**6 // 4)  # 40 MB, made and freed between two samples",
-        "del x",
-        "watch.note('after')",
-        "print(watch.data - watch.data0, watch.used())"])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=HERE, timeout=120)
+    # takes the peak from Linux's peak of the address space.
+    out = PEAK_BETWEEN_SAMPLES.result()
     assert out.returncode == 0, out.stderr
     sampled, peak = map(int, out.stdout.split())
     assert sampled < 10**6 and 40 * 10**6 <= peak < 42 * 10**6, (sampled, peak)

@@ -87,7 +87,7 @@ import torch.nn.functional as F
 import conftest
 import memory
 import zero
-from conftest import (B, CASES, CKPT, CUDA_RUNS, D, ENV, H, HERE, STEPS, T, TINY, V, Net,
+from conftest import (B, CASES, CKPT, CUDA_RUNS, D, ENV, H, HERE, STEPS, T, TINY, V, Early, Net,
                       assert_trains_like, global_batch, losses, main_printed, reference, run_id,
                       run_steps, scenario, unit_layout, wrapped)
 
@@ -2081,10 +2081,12 @@ print(sum(name.startswith("pt_gloo") for name in threads))
 """
 
 
+USERS_RUN = Early(USERS_SCRIPT, script="-c")
+
+
 @pytest.fixture(scope="module")
 def users_script():
-    out = subprocess.run([sys.executable, "-c", USERS_SCRIPT], capture_output=True, text=True,
-                         cwd=HERE, env=ENV, timeout=120)
+    out = USERS_RUN.result()
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()
 
