@@ -137,16 +137,20 @@ def test_pytorch_counterpart_trains_like_zero(fsdp_ranks, stage):
             assert (theirs["full"][name] - t).abs().max().item() <= 1e-5, name
 
 
+# On gloo with CPU tensors zero.py's reduce_scatter and all_gather run as all_to_all and
+# broadcasts (zero.DIRECT, below zero.A2A_BYTES): the dispatcher sees those calls, with the same
+# bytes.
+DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}
+
+
 @pytest.mark.parametrize("stage", range(4))
 def test_dispatcher_count_agrees_with_zero_own_count(fsdp_ranks, stage):
     # fsdp_demo counts PyTorch's bytes at the dispatcher; on zero.py's run it must see exactly
     # what zero.py counted itself, or the side-by-side numbers are not measured the same way.
     world, results = fsdp_ranks
     ours = results[0][stage]["ours"]
-    # On gloo with CPU tensors zero.py's reduce_scatter and all_gather run as all_to_all and
-    # broadcasts (zero.DIRECT): the dispatcher sees those calls, with the same bytes.
     assert zero.DIRECT
-    calls = {zero.DIRECT_CALLS.get(k, k): v for k, v in ours["comm"].items()}
+    calls = {DIRECT_CALLS.get(k, k): v for k, v in ours["comm"].items()}
     assert ours["comm_seen"] == calls and sum(ours["comm"].values()) > 0
 
 
@@ -229,7 +233,7 @@ def test_hybrid_pytorch_counterpart_trains_like_zero(ran):
         # sharded over G = 2, not N = 4: twice the 1/N memory, and bytes that cross groups
         assert ours["comm"]["all_reduce across groups"] > 0
         assert ours["mem"]["params"] > 0
-        seen = {zero.DIRECT_CALLS.get(k, k): v for k, v in ours["comm"].items()}
+        seen = {DIRECT_CALLS.get(k, k): v for k, v in ours["comm"].items()}
         assert ours["comm_seen"] == pytest.approx(seen)  # the dispatcher saw what zero.py counted
         across = "all_reduce across groups"  # and in PyTorch's run, HSDP's all-reduce of shards
         assert theirs["comm"][across] == pytest.approx(ours["comm"][across])

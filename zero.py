@@ -15,7 +15,7 @@ on every rank before a single activation is stored, however many ranks there are
 The idea (ZeRO, Rajbhandari et al., SC'20, arXiv:1910.02054). The N ranks hold N identical
 copies: keep 1/N each instead, and communicate to fill in what a rank needs when it needs it.
 Shard the optimizer state (stage 1), then the gradients too (stage 2), then the parameters too
-(stage 3). Per-rank model state, bytes (paper, mixed precision, K = 12):
+(stage 3). Per-rank model state, bytes (paper, mixed precision, K = 12 optimizer bytes/param):
 
     stage                  params  grads   optimizer  total per rank   Ψ = 7.5e9, N = 64
     0 data parallel        2Ψ      2Ψ      12Ψ        16Ψ                  120 GB
@@ -83,9 +83,9 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `
 # Why one flat buffer, not whole parameters handed round-robin to owners: every rank gets the
 # same number of elements (to within the padding), and each collective is a single call.
 # Why several units, not one buffer for the whole model: a unit is what stage 2 reduce-scatters
-# as soon as backward is done with it, and what stage 3 gathers just before it computes. With
-# units=[] everything is one unit, the root. Default: one unit per block (default_units); stages
-# 0-2 may merge or cut them into buckets instead (bucket_bytes: Part II, speed 2).
+# as soon as backward is done with it, and what stage 3 gathers just before it computes. The
+# root unit holds what no other unit holds (units=[]: everything). Default: one unit per block
+# (default_units); stages 0-2 may merge or cut them into buckets (bucket_bytes: Part II, speed 2).
 
 class Unit:
     def __init__(self, modules, params, rank, N, S=None):
@@ -99,7 +99,7 @@ class Unit:
             p.data = self.flat[o:o + p.numel()].view_as(p)  # the module computes with the view
             self.offset[p], o = o, o + p.numel()
         self.my_slice = slice(rank * self.S, (rank + 1) * self.S)  # shard r, of rank r
-        self.shard = self.flat[self.my_slice]  # [S] this rank's part (stage 0: all of flat)
+        self.shard = self.flat[self.my_slice]  # [S] this rank's part (stage 0's _shard: all)
         # Each stage's _shard sets what follows (stage 0: all of flat, a full gradient):
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
@@ -111,8 +111,8 @@ class Unit:
         self.arrived = 0              # its parameters given a gradient in this backward
         self.received = set()         # ... since zero_grad() (step() steps what any rank got)
         self.unreduced = False        # it holds local gradients that no reduction has summed yet
-        # Unused here (stages 0, 1; count_unused): .grad None, the slice reduced as zeros; then
-        # it holds the others' mean, which step() shows as p.grad if some rank used p, as DDP
+        # p unused here (stages 0, 1): count_unused adds it, its slice reduced as zeros; that holds
+        # the others' mean, which step() (settle_unused) shows as p.grad if a rank used p, as DDP
         self.hidden = set()
         self.index = None             # its place in the model's list of units
 
@@ -181,11 +181,11 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps this rank's masters, each cut into flat pieces, views back to back
-        # (u.pieces, speed 3; u.owners[i]: the parameters piece i holds elements of). Exact for
-        # element-wise optimizers (SGD, Adam, AdamW...): each element's update depends on its
-        # own gradient and state only. NOT for those that look at whole tensors (LAMB, Shampoo,
-        # Muon: a piece may hold slices), nor param groups.
+        # The optimizer steps this rank's masters cut into flat pieces (small for the cache, speed
+        # 3; one per unit would step the same), views back to back: u.pieces; u.owners[i], the
+        # parameters piece i holds. Exact for element-wise optimizers (SGD, Adam, AdamW...): each
+        # element's update depends on its own gradient and state only. NOT for those that look at
+        # whole tensors (LAMB, Shampoo, Muon: a piece may hold slices), nor param groups.
         self.optimizer = optimizer(optimizer_pieces(self))
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -242,7 +242,7 @@ class DataParallel:
 
     def _reduce_unit(self, unit):
         count_unused(self, unit)  # stages 0, 1: a parameter without a gradient counts as zeros
-        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)  # (fp32)
+        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)  # fp32 copy
         unit.unreduced = False
         work, result = self._reduce(unit, g)  # launched: it runs while backward goes on
         self.in_flight.append((work, unit, result))
@@ -252,8 +252,8 @@ class DataParallel:
     def _land_reductions(self, wait=True):
         # Oldest first, the same order as without overlap, so the sums are the same: with wait,
         # every one; else those beyond max_in_flight (stage 0: all, as its all-reduces run in
-        # place and hold no memory of their own; one where each may hold a buffer: from stage 1
-        # on, or reducing a copy in another dtype) and those complete already.
+        # place and hold no memory of their own; one where each may hold a buffer: stage 2's
+        # full gradient, a receive buffer, a copy in another dtype) and those complete already.
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
             work, unit, result = self.in_flight.pop(0)
@@ -262,7 +262,7 @@ class DataParallel:
             self.meter.event("reduction landed", unit)  # the buffers it used are let go
 
     def _reduce(self, unit, g):  # -> (the collective's work, where its result lands)
-        # meter.sent: the bytes sent (measurement), and the fingerprint check_step_agrees checks
+        # meter.sent: the bytes sent (measurement), and a hash of the calls (check_step_agrees)
         self.meter.sent("all_reduce", g, unit)
         return dist.all_reduce(g, async_op=True), g  # [N*S] in place: the sum over all ranks
 
@@ -283,8 +283,8 @@ class DataParallel:
         self._land_reductions()
         # One small all-reduce (checks): every rank reduced the same units, and which parameters
         # got a gradient on some rank: step() steps those only, as torch skips a parameter whose
-        # .grad is None (it also gives those unused here their .grad, and cuts the pieces that
-        # hold both kinds apart).
+        # .grad is None (it also gives those unused here their .grad, and re-cuts the optimizer's
+        # pieces, their m and v with them, where a piece holds both kinds).
         self.with_grad = check_step_agrees(self)
         self._reduced = True
 
@@ -369,7 +369,7 @@ class ZeRO1(DataParallel):
         # that sum counts (local or partial sums): zero them, so a later backward adds only new
         # ones. Keep the sum, not the mean: the next reduce-scatter adds to it (accumulation), and
         # only this rank holds it there. / N once, in _reduce_grads. (So at stage 1 a p.grad view
-        # shows this rank's shard of the sum, the mean from step() on, zeros elsewhere.)
+        # shows this rank's shard of the sum, of the mean once clipped or stepped, zeros elsewhere.)
         unit.grad_shard.copy_(summed)
         unit.grad[:unit.my_slice.start].zero_()
         unit.grad[unit.my_slice.stop:].zero_()
@@ -445,10 +445,10 @@ class ZeRO3(ZeRO2):
     the unit right before its module computes in forward and frees it right after; it is
     gathered again right before the module's backward and freed once its gradient's
     reduce-scatter is launched. Only the unit computing is gathered (with overlap, also the next
-    one, prefetched; and the root), never the whole model. Memory 16Ψ/N (paper); communication
-    3Ψ (N-1)/N: the parameters are all-gathered twice per step, not once. The root unit (what no
-    unit holds, e.g. embeddings and final norm) stays gathered from the start of forward until
-    its gradient is reduced, as FSDP2 keeps its root: backward needs it again at once."""
+    one, prefetched; the root; one whose output has no tensor to hook), never the whole model.
+    Memory 16Ψ/N (paper); communication 3Ψ (N-1)/N: a unit is all-gathered twice per step, not
+    once. The root unit (what no unit holds, e.g. embeddings and final norm) once: it stays
+    gathered from the start of forward until its gradient is reduced, as FSDP2 keeps its root."""
 
     stage = 3
 
@@ -938,7 +938,6 @@ def split_pieces(zero, units):
 # Other backends, CUDA tensors and DIRECT = False: torch's own calls.
 DIRECT = True
 A2A_BYTES = 16 << 20
-DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}  # below A2A_BYTES
 # torch 2.13 warns on the names every torch >= 2.6 has (and every tutorial uses): silenced.
 RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
