@@ -17,7 +17,8 @@ zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpo
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
 --init-from.
 """
-import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shutil, sys, warnings
+import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shutil, sys, \
+    tempfile, warnings
 
 import torch
 import torch.distributed as dist
@@ -317,14 +318,26 @@ def load_full_state_dict(zero, state):
 FORMAT = "zero.py sharded checkpoint, version 1"
 
 
+def writable(folder):
+    """Whether this process can make a file in `folder`, tried (os.access says yes to root even
+    where nobody can write, in /proc)."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
 def _atomic_write(path, write):
     """write(f) into a temporary file, then rename it to path. If the writing or the rename
     fails, the temporary file is removed and path is as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
+            mode = os.fstat(f.fileno()).st_mode  # a new file's (the umask's)
             write(f)
-            f.flush()
+        with open(tmp, "rb") as f:  # what is renamed: write() may have put another file there
+            os.fchmod(f.fileno(), mode)  # (safetensors' save_file does, of mode 0600)
             os.fsync(f.fileno())  # the bytes are on disk before the name says they are there
         os.replace(tmp, path)
     except BaseException:
@@ -770,7 +783,7 @@ def consolidate(path, out, kind):
             info = {k: manifest[k] for k in ("step", "stage", "world_size")}
             _commit(tmp, out.rstrip(os.sep), DCP_MARKER,
                     {"format": DCP_FORMAT, **info, "optimizer": None, "extra": manifest["extra"]})
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, _dcp_error()) as e:
         if kind == "dcp":
             shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
@@ -927,14 +940,20 @@ def consolidate_command(args):
     (or CheckpointError) before anything is written."""
     if not (out := args.out):
         raise UsageError("--consolidate needs --out FILE (.pt, .safetensors, or .dcp)")
-    kind = ("safetensors" if out.endswith(".safetensors") else "pt" if out.endswith((".pt", ".pth"))
-            else "dcp" if out.endswith((".dcp", os.sep)) or os.path.isdir(out) else None)
-    where = os.path.dirname(out.rstrip(os.sep)) or "."
+    name = out.rstrip(os.sep)  # (out/: a directory)
+    kind = ("safetensors" if name.endswith(".safetensors") else
+            "pt" if name.endswith((".pt", ".pth")) else
+            "dcp" if name.endswith(".dcp") or name != out or os.path.isdir(out) else None)
+    where = os.path.dirname(name) or "."
     problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
                "is a directory" if os.path.isdir(out) and kind != "dcp" else
+               "ends in /, a directory's name: a .pt or .safetensors is a file"
+               if name != out and kind != "dcp" else
+               "is a file" if os.path.isfile(name) and kind == "dcp" else
                "a directory that is neither empty nor a DCP checkpoint"
                if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
-               f"no directory {where}" if not os.path.isdir(where) else None)
+               f"no directory {where}" if not os.path.isdir(where) else
+               f"cannot write in {where}" if not writable(where) else None)
     if problem:
         raise UsageError(f"--out {out}: {problem}")
     if not os.path.isdir(args.consolidate):

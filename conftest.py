@@ -73,7 +73,7 @@ def pytest_collection_finish(session):
     for module in dict.fromkeys(item.module for item in session.items):
         if hasattr(module, "start_early"):
             module.start_early()
-    start_early(session.items)  # and the processes declared Early
+    run_early(session.items)  # and the processes declared Early
     freeze_modules()
 
 
@@ -549,7 +549,7 @@ class Early:
         return self.done
 
 
-def start_early(items):
+def run_early(items):
     """Run the early processes these tests read, one after another, in a thread of their own."""
     used = {name for item in items for name in item.fixturenames}
     todo = [e for e in Early.declared if e.module in SELECTED or e.fixture in used]

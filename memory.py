@@ -646,7 +646,8 @@ def check_timeline_args(args):
     if args.timeline_all and args.ckpt_dir:
         raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir")
     folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
+    from checkpoints import writable  # (the files: checkpoints.py's)
+    if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):
         raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
                          if not os.path.isdir(path) else f"{path} is a directory")
     if not path.endswith(".svg"):

@@ -651,10 +651,12 @@ def main(argv=None):
             print(f"{m.name:<22} {word} {m.stages:<4} (runs at {m.stage}): {m.measure}")
         return
     if args.json:
+        from checkpoints import writable  # (the files: checkpoints.py's)
         where = os.path.dirname(args.json) or "."
-        if os.path.isdir(args.json) or not os.path.isdir(where):
+        if os.path.isdir(args.json) or not os.path.isdir(where) or not writable(where):
             raise zero.UsageError(f"--json {args.json}: " + (
-                "is a directory" if os.path.isdir(args.json) else f"no directory {where}"))
+                "is a directory" if os.path.isdir(args.json) else f"no directory {where}"
+                if not os.path.isdir(where) else f"cannot write in {where}"))
     start = time.perf_counter()
     rank, world, _ = zero.setup(backend="gloo", device="cpu")
     if world < 2:  # one rank has nothing to reduce, replicate or hang on: every row reads 0

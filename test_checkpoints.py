@@ -480,6 +480,9 @@ def test_consolidate_and_init_from(one_process):
     assert all(f"step {KILLED_STEPS} (written at stage 2 by 2 rank(s)" in p for p in printed)
     assert [p.split(" (")[1].split(")")[0] for p in printed] == ["pt", "safetensors", "dcp"]
     assert sorted(os.listdir(folder)) == ["model.dcp", "model.pt", "model.safetensors"]
+    # (safetensors' save_file makes its file of mode 0600: it is given a new file's, as the .pt)
+    assert len({os.stat(os.path.join(folder, f)).st_mode
+                for f in ("model.pt", "model.safetensors")}) == 1
     model_file = os.path.join(folder, "model.pt")
     state = torch.load(model_file, weights_only=True)
     a = zero.training_parser("").parse_args(SMALL)  # MODEL, and the batch of the --init-from run
@@ -522,6 +525,8 @@ def checkpoint_error_cases(tmp):
             (["--consolidate", os.path.join(tmp, "none"), "--out", plain + ".out.pt"],
              "no such directory"),
             (["--consolidate", ckpt, "--out", plain + ".out"], "name a .pt or .safetensors file"),
+            (["--consolidate", ckpt, "--out", plain + "/"], "ends in /"),  # (plain.pt is a file)
+            (["--consolidate", ckpt, "--out", "/proc/m.dcp"], "cannot write in /proc"),  # (root)
             (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
 
 

@@ -130,6 +130,7 @@ def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
     cases = [(["--timeline", str(tmp_path)], "is a directory"),
              (["--timeline", str(tmp_path / "t.svg"), "--steps", "1"], "--steps must be 2"),
              (["--timeline", "a.svg", "--timeline-all", "b.svg"], "choose one"),
+             (["--timeline", "/proc/t.svg"], "cannot write /proc/t.svg"),  # (as root too)
              (["--timeline-all", str(tmp_path / "t.svg"), "--ckpt-dir", str(tmp_path)],
               "--ckpt-dir"),
              (["--timeline", "t.svg", "--estimate", "--params", "1e9", "--world-size", "8"],

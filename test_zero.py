@@ -1766,6 +1766,8 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, monkeypatch, capsys):
              (["--ckpt-dir", str(afile)], "not a directory"),
              (["--ckpt-dir", str(afile / "x")], "Not a directory"),
              (["--ckpt-dir", str(readonly)], "not writable"),
+             (["--ckpt-dir", ""], "--ckpt-dir '': an empty name"),  # (else: no checkpoints)
+             (["--consolidate", ""], "--consolidate '': an empty name"),  # (else: training)
              (["--lr", "1e39"], "beyond float32's range"),
              (["--init-from", str(afile)], "not a state_dict file that torch.load can read"),
              (["--shard-size", "2"], "must divide the world size 1"),

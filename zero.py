@@ -1872,6 +1872,8 @@ def check_args(args):
             (args.ckpt_every and not args.ckpt_dir, "--ckpt-every needs --ckpt-dir")]:
         if bad:
             raise UsageError(message)
+    for flag in [k for k, v in vars(args).items() if v == "" and k != "cluster"]:  # (--cluster
+        raise UsageError(f"--{flag.replace('_', '-')} '': an empty name")       # '': defaults)
     if args.seq_len > size - 2:  # a row is seq_len + 1 bytes
         raise UsageError(f"--data {args.data} has {size} bytes: too few for a row" if size < 3
                          else f"--seq-len {args.seq_len} is longer than the data allows: at "
