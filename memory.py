@@ -17,7 +17,7 @@ What it uses of zero.py: train() and its Progress, the Meter's records (meter.ti
 formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
 check_args). zero.py imports this file at the flags and the call that need it.
 """
-import argparse, bisect, contextlib, os, pathlib, signal, socket, sys, time
+import argparse, bisect, contextlib, functools, os, pathlib, signal, socket, sys, time
 from collections import namedtuple
 from html import escape
 from itertools import accumulate
@@ -194,11 +194,17 @@ def check_largest_model_args(args):
                          "more: --world-size 2 at least")
 
 
-def _psi(args, layers):  # the demo GPT's parameters, counted on the meta device (no memory):
-    with torch.device("meta"):  # one block's, then one block's more per block
-        model = GPT(args.seq_len, args.d_model, 1, args.n_head)
-    per_block = sum(p.numel() for p in model.blocks[0].parameters())
-    return sum(p.numel() for p in model.parameters()) + (layers - 1) * per_block
+def _psi(args, layers):  # the demo GPT's parameters: one block's, then one block's more per block
+    one, per_block = _one_block(args.seq_len, args.d_model, args.n_head)
+    return one + (layers - 1) * per_block
+
+
+@functools.lru_cache(maxsize=None)  # (--largest-model's search asks again and again)
+def _one_block(seq_len, d_model, n_head):  # Ψ of a 1-block demo GPT, and of its block
+    with torch.device("meta"):  # counted on the meta device (no memory)
+        model = GPT(seq_len, d_model, 1, n_head)
+    return sum(p.numel() for p in model.parameters()), sum(
+        p.numel() for p in model.blocks[0].parameters())
 
 
 def _formula(args, stage, psi, world=None):  # the model state per rank by the formula, bytes

@@ -1396,6 +1396,7 @@ OBJECTS = ["its own shard", "the full gradient", "one unit", "the fp32 master", 
 ENDINGS = [" before the step", " during backward", " after the forward", " at once", ""]
 
 
+@functools.lru_cache(maxsize=None)  # (bytes: each call's the same object, never changed)
 def corpus(size=1 << 17):
     """`size` bytes of sentences from a fixed LCG: the same text on any torch or Python."""
     x, out, n = 12345, [], 0
