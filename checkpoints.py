@@ -1017,6 +1017,9 @@ def data_position(args, world):
 def read_state_dict(path):
     """--init-from: a plain state_dict file (what --consolidate writes, or
     torch.save(model.state_dict())), memory-mapped: its pages are read only where used."""
+    if os.path.isdir(path):
+        raise UsageError(f"--init-from {path}: a directory; it takes a .pt or .safetensors file "
+                         "(dcp_to_torch_save makes a .pt of a DCP directory)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a missing file, or one that is not a torch.save file of tensors

@@ -101,6 +101,13 @@ def limit_memory(size, device, watch=None):
         raise UsageError(f"--max-memory on CPU needs Linux's RLIMIT_DATA and /proc ({e})") from None
 
 
+def unlimit_memory():
+    """Lift limit_memory's RLIMIT_DATA (CPU) to its hard limit: this rank is out of memory."""
+    import resource
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_DATA, (resource.getrlimit(resource.RLIMIT_DATA)[1],) * 2)
+
+
 def raise_if_out_of_memory(e, args, model, progress):
     """train()'s error e, if it is this rank running out of memory (--max-memory's or a real
     one): OutOfMemory, one line naming the rank, where it was (zero.Progress) and the stage's
@@ -108,6 +115,7 @@ def raise_if_out_of_memory(e, args, model, progress):
     if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
             "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
         return
+    unlimit_memory()  # the line below needs memory too: under the limit it failed again
     world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())
     G, need = args.shard_size or world, _formula(args, args.stage, psi, world)
     raise OutOfMemory(
@@ -362,7 +370,8 @@ def _trial(args, stage, layers):
     failed = [results[r] for r in sorted(results) if not results[r]["ok"]]
     if not failed and len(results) < args.world_size:
         failed = [{"ok": False, "error": "no answer before the deadline"}]
-    oom = [res for res in failed if "out of memory" in res["error"]]
+    oom = [res for res in failed
+           if any(m in res["error"] for m in ("out of memory", "MemoryError"))]
     if failed and not oom:
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
                          f"(stage {stage}, {layers} blocks): {failed[0]['error']}")

@@ -518,6 +518,7 @@ def checkpoint_error_cases(tmp):
     return [(["--d-model", "64", "--ckpt-dir", ckpt], "checkpoint is for another model"),
             (["--init-from", plain], "--init-from"),
             (["--init-from", os.path.join(tmp, "none.pt")], "No such file"),
+            (["--init-from", tmp], "a directory; it takes a .pt or .safetensors file"),
             (["--consolidate", tmp], "needs --out"),
             (["--consolidate", os.path.join(tmp, "empty"), "--out", plain],
              "no complete checkpoint"),

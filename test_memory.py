@@ -189,7 +189,9 @@ PEAK_BETWEEN_SAMPLES = Early("\n".join([
     "x = torch.ones(40 * 10**6 // 4)  # 40 MB, made and freed between two samples",
     "del x",
     "watch.note('after')",
-    "print(watch.data - watch.data0, watch.used())"]), script="-c")
+    "print(watch.data - watch.data0, watch.used())",
+    "memory.unlimit_memory()  # out of memory: what reports it may allocate again",
+    "print(torch.ones(300 * 10**6 // 4).numel())"]), script="-c")
 
 
 def test_peak_data_sees_a_peak_between_samples():
@@ -198,8 +200,9 @@ def test_peak_data_sees_a_peak_between_samples():
     # takes the peak from Linux's peak of the address space.
     out = PEAK_BETWEEN_SAMPLES.result()
     assert out.returncode == 0, out.stderr
-    sampled, peak = map(int, out.stdout.split())
+    sampled, peak, beyond = map(int, out.stdout.split())
     assert sampled < 10**6 and 40 * 10**6 <= peak < 42 * 10**6, (sampled, peak)
+    assert beyond == 75 * 10**6  # 300 MB, past the 200 MB limit once unlimit_memory() lifted it
 
 
 def test_a_trial_out_of_memory_ends_only_that_trial():

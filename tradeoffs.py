@@ -43,6 +43,9 @@ from zero import GPT, PIECE, STAGE_NAMES, UsageError, _si, adamw, all_gather, co
 # ----------------------------------------------------------------------------------------------
 # Memory and bytes from the formulas alone: --estimate
 
+PARAMS_MAX = 1e15  # --cluster: its time model goes layer by layer (1e24: a million of them)
+
+
 def command(args, argv):
     """zero.py --estimate [--cluster] or --tradeoffs: bad input is a UsageError first."""
     if args.tradeoffs:
@@ -56,6 +59,9 @@ def command(args, argv):
         raise UsageError("--estimate needs --params and --world-size")
     if args.ckpt_dir:
         raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
+    if args.params < 1 or args.cluster is not None and args.params > PARAMS_MAX:
+        raise UsageError(f"--params {args.params:g}: from 1 to {PARAMS_MAX:g} parameters"
+                         + " with --cluster" * (args.params >= 1))
     names = [a.split("=")[0] for a in argv]
     given = {flag for flag in ("--stage", "--n-layer", "--d-model", "--seq-len", "--batch-size")
              if any(len(n) > 2 and flag.startswith(n) for n in names)}  # (or abbreviated)
