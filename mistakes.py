@@ -645,6 +645,8 @@ def main(argv=None):
         if name not in MISTAKES:
             raise zero.UsageError(f"no mistake named {name!r}: `python mistakes.py --list` "
                                   "names them")
+    if args.list and args.names:
+        raise zero.UsageError("--list prints every mistake: not with names")
     if args.list:
         for m in MISTAKES.values():
             word = "stages" if "-" in m.stages else "stage "

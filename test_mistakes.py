@@ -107,6 +107,7 @@ def test_the_mistakes_lab_command_line(ran, shared, refused, one_rank):
     for argv, message in [(["nope"], "no mistake named 'nope'"), (["--nope"], "--nope"),
                           (["--json", os.path.join(shared, "none", "x.json")], "no directory"),
                           (["--json", "/proc/x.json"], "cannot write in /proc"),  # (root too)
+                          (["--list", "no-divide-sgd"], "not with names"),
                           (["no-divide-sgd"], "2 or more ranks")]:  # one_rank: a group of one
         error, out = main_refused(mistakes.main, argv)
         assert error and message in error and "\n" not in error and out == "", (argv, error)

@@ -131,6 +131,8 @@ def test_hybrid_sharding_wins_stage_3_back_over_slow_links():
 def test_cluster_bad_input_is_one_line():
     for argv, message in [(["--cluster", "speed=3"], "--cluster: no key 'speed'"),
                           (["--cluster", "flops=fast"], "--cluster flops=fast: not a number"),
+                          (["--cluster", "gpus_per_node=2.5"], "not a whole number"),
+                          (["--cluster", "flops=1e15,flops=2e15"], "'flops' twice"),
                           (["--cluster", "flops=-1"], "must be positive"),
                           (["--cluster", "gpus_per_node=3"], "does not divide --world-size 16"),
                           # (1e24: a million layers, one by one; it ran for minutes)

@@ -209,12 +209,15 @@ def parse_cluster(text):
     for item in filter(None, (text or "").split(",")):
         key, _, value = item.partition("=")
         key = key.strip()
-        if key not in fields:
-            raise UsageError(f"--cluster: no key {key!r}; the keys are {', '.join(fields)}")
+        if key not in fields or key in values:
+            raise UsageError(f"--cluster: {key!r} twice" if key in values else
+                             f"--cluster: no key {key!r}; the keys are {', '.join(fields)}")
+        whole = fields[key] in (int, "int")
         try:
-            values[key] = (int if fields[key] in (int, "int") else float)(value)
+            values[key] = (int if whole else float)(value)
         except ValueError:
-            raise UsageError(f"--cluster {key}={value}: not a number") from None
+            raise UsageError(f"--cluster {key}={value}: not {'a whole' if whole else 'a'} "
+                             "number") from None
         if not 0 < values[key] < float("inf"):
             raise UsageError(f"--cluster {key}={value}: must be positive")
     return Cluster(**values)
