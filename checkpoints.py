@@ -493,7 +493,7 @@ def ckpt_dir_lock(root, device):
             if os.path.exists(root) and not os.path.isdir(root):
                 raise UsageError(f"{what}: exists and is not a directory")
             os.makedirs(root, exist_ok=True)
-            if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+            if not (os.access(root, os.R_OK) and writable(root)):
                 raise UsageError(f"{what}: not writable")
             if dist.get_rank() == 0:
                 fd = os.open(root, os.O_RDONLY)
