@@ -558,7 +558,6 @@ def wrap(model, stage, optimizer, **options):
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     return STAGES[stage](model, optimizer, **options)
 
-
 # =================================== PART II: THE ENGINEERING =================================
 # Each section serves Part I through the calls named there; then the demo, its loop, its report.
 
