@@ -1020,11 +1020,15 @@ def read_state_dict(path):
     if os.path.isdir(path):
         raise UsageError(f"--init-from {path}: a directory; it takes a .pt or .safetensors file "
                          "(dcp_to_torch_save makes a .pt of a DCP directory)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # a missing file, or one that is not a torch.save file of tensors
-        # (torch's message, its lines as one)
-        raise UsageError(f"--init-from {path}: not a state_dict file that torch.load can read "
+    try:  # (torch.load reads safetensors files too, but only from torch 2.12)
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            state = load_file(path)  # memory-mapped as well
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a missing file, or one that is not a state_dict file of tensors
+        # (the loader's message, its lines as one)
+        raise UsageError(f"--init-from {path}: not a state_dict file that can be read "
                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")

@@ -513,6 +513,19 @@ def test_consolidate_and_init_from(one_process):
                                                       for k in state)
 
 
+def test_init_from_reads_safetensors_on_every_torch(one_process, monkeypatch):
+    # --init-from model.safetensors reads the same tensors as the .pt, with safetensors' own
+    # loader: torch.load refuses a safetensors file before torch 2.12, as it does here
+    folder = one_process[1]
+    want = checkpoints.read_state_dict(os.path.join(folder, "model.pt"))
+
+    def old_torch_load(*args, **kwargs):
+        raise RuntimeError("Invalid magic number; corrupt file?")
+    monkeypatch.setattr(torch, "load", old_torch_load)
+    got = checkpoints.read_state_dict(os.path.join(folder, "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def checkpoint_error_cases(tmp):
     ckpt, plain = os.path.join(tmp, "straight"), os.path.join(tmp, "plain.pt")
     return [(["--d-model", "64", "--ckpt-dir", ckpt], "checkpoint is for another model"),
