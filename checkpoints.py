@@ -46,7 +46,6 @@ def part_index(rank, world, G):
     return rank % G * (world // G) + rank // G
 
 
-
 def checkpoint_part(zero):
     """opt.state_dict(): this rank's part of a checkpoint: elements [rank*S, (rank+1)*S) of each
     unit's fp32 master weights and per-element optimizer state, the optimizer scalars (Adam's
@@ -93,25 +92,18 @@ def load_own_part(zero, state):
     """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
     Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
     0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
-    q = part_index(zero.rank, zero.world, zero.N)
-    with _agreed(zero.units[0].flat.device):  # one rank's refusal is every rank's: none waits
+    q, device = part_index(zero.rank, zero.world, zero.N), zero.units[0].flat.device
+    with _agreed(device):  # one rank's refusal is every rank's: none waits
         if not isinstance(state, dict) or state.get("rank") != q or \
                 state.get("layout") != layout(zero):
             raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
                                   "this model at this stage and world size; for any other, use "
                                   "save_checkpoint() and load_checkpoint()")
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
-    # and with hybrid sharding its replicas (the ranks of its replica group)
+    # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
+    # all-gathered from each one's own; None for the parts of the others.
     ranks = range(zero.world) if zero.stage == 0 else range(zero.rank % zero.N, zero.world, zero.N)
-    load_parts(zero, _gather_parts(zero, state, ranks), state["layout"])
-    for _, t in replicated(zero.model):  # only rank 0's part holds them
-        dist.broadcast(t.data, src=0)
-
-
-def _gather_parts(zero, state, ranks):
-    """The parts of a state_dict that `ranks` (all, or this rank's replica group) wrote,
-    all-gathered from each one's own; None for the others."""
-    device, parts = zero.units[0].flat.device, [None] * zero.world
+    parts = [None] * zero.world
 
     def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
         if len(ranks) == 1:  # this rank's own part only
@@ -126,7 +118,9 @@ def _gather_parts(zero, state, ranks):
         parts[q] = dict(state, rank=q, replicated=state["replicated"] or None, units=[
             {"master": u["master"][j], "state": {k: t[j] for k, t in u["state"].items()}}
             for u in units])
-    return parts
+    load_parts(zero, parts, state["layout"])
+    for _, t in replicated(zero.model):  # only rank 0's part holds them
+        dist.broadcast(t.data, src=0)
 
 
 def load_parts(zero, parts, written):
@@ -780,9 +774,8 @@ def consolidate(path, out, kind):
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
                 warnings.simplefilter("ignore")
                 dcp.save(state, checkpoint_id=tmp, no_dist=True)
-            info = {k: manifest[k] for k in ("step", "stage", "world_size")}
-            _commit(tmp, out.rstrip(os.sep), DCP_MARKER,
-                    {"format": DCP_FORMAT, **info, "optimizer": None, "extra": manifest["extra"]})
+            _commit(tmp, out.rstrip(os.sep), DCP_MARKER, {"format": DCP_FORMAT, "optimizer": None,
+                    **{k: manifest[k] for k in ("step", "stage", "world_size", "extra")}})
     except (OSError, RuntimeError, _dcp_error()) as e:
         if kind == "dcp":
             shutil.rmtree(tmp, ignore_errors=True)
@@ -930,8 +923,6 @@ def load_dcp(zero, path):
     load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
                 {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
     return info
-
-
 
 
 def consolidate_command(args):

@@ -473,8 +473,7 @@ class Timeline(list):
                  "gradient buffer": f"gradient buffer of unit {i} made",
                  "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
                  "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
-        device = zero.units[0].flat.device
-        cuda = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        cuda = torch.cuda.memory_allocated(zero.device) if zero.meter.cuda else None
         self.append({"event": label, **{k: zero.meter.now[k] for k in STACK}, "cuda": cuda})
 
 
@@ -499,12 +498,11 @@ def timeline_panel(res, args):
     """One run's Panel, from what train() returned (res) and its args."""
     pb, gb, ob = bytes_per_parameter(args)
     s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
-    n = "N" if G == N else "G"  # hybrid sharding: what is sharded is 1/G
     return Panel(stage=s, step=args.steps, world=N, psi=res["psi"],
                  groups=f", G = {G}" if G < N else "", events=res["timeline"],
                  dtype="bf16 mixed precision" if args.bf16 else "fp32",
                  formula=memory_formula(s, res["psi"], N, pb, gb, ob, shard_size=G),
-                 symbols=formula_symbols(s, n, pb, gb, ob))
+                 symbols=formula_symbols(s, "N" if G == N else "G", pb, gb, ob))  # hybrid: 1/G
 
 
 def _total(e):

@@ -42,7 +42,8 @@ def materialize(zero, init):
     runs on the CPU, whose random numbers are the same whatever the device: a model built on
     a GPU gets the weights it gets on the CPU; each unit then moves to zero.device."""
     model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
-    modules, pnames = list(_apply_order(model)), {p: n for n, p in model.named_parameters()}
+    modules, pnames = [], {p: n for n, p in model.named_parameters()}
+    model.apply(modules.append)  # nn.Module.apply's own order: children first, then their parent
     bnames = {b: n for n, b in model.named_buffers()}
     owner = {p: u for u in zero.units for p in u.params}
     last = {owner[p]: k for k, m in enumerate(modules) for p in m.parameters(recurse=False)
@@ -104,12 +105,6 @@ def build_device(device):
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _apply_order(m):  # the modules in nn.Module.apply's order: children first, then m
-    for child in m.children():
-        yield from _apply_order(child)
-    yield m
 
 
 class _NoWritesOutside(torch.overrides.TorchFunctionMode):

@@ -670,12 +670,10 @@ def configure(zero, model, options):
     # The model's forwards running now, for gathered() (the second hook runs even if it raises)
     running = zero.forwards = [0]
     model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
-    model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1),
-                                always_call=True)
+    model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1), always_call=True)
     check_ranks_agree(zero)
     if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
-        import hybrid
-        hybrid.make_hybrid(zero)
+        _hybrid().make_hybrid(zero)
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
     return zero.units
 
@@ -819,8 +817,7 @@ def build_device(zero):
     """The model's device, or where a meta-device model is built (init=, device=: only then)."""
     here = zero.units[0].flat.device
     if here.type == "meta":
-        import meta_init
-        return meta_init.build_device(zero.device)
+        return _meta_init().build_device(zero.device)
     if zero.init is not None:
         raise ValueError("zero: init is for a model built on the meta device; this one is "
                          "initialized already")
@@ -833,10 +830,7 @@ def build_device(zero):
 def materialize(zero):
     """The units, each ready to be sharded; a meta-device model's each built as handed out."""
     zero.meter.event("building")
-    if zero.units[0].flat.is_meta:
-        import meta_init
-        return meta_init.materialize(zero, zero.init)
-    return zero.units
+    return _meta_init().materialize(zero, zero.init) if zero.units[0].flat.is_meta else zero.units
 
 
 # ----------------------------------------------------------------------------------------------
@@ -915,8 +909,7 @@ def split_pieces(zero, units):
     units, state = [u for u in units if not u.per_parameter], zero.optimizer.state
     for u in units:
         old = [(piece, piece.storage_offset()) for piece in u.pieces]
-        u.pieces, u.owners = cut_pieces(zero, u, per_parameter=True)
-        u.per_parameter = True
+        u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=True), True
         for piece in u.pieces:
             start = piece.storage_offset()
             whole, at = next((w, o) for w, o in old if o <= start < o + w.numel())
@@ -1277,12 +1270,11 @@ def count_unused(zero, unit):
     """Stages 0, 1: a parameter unused here is reduced as zeros, its .grad None; its slice then
     holds the others' mean, which step() shows as p.grad if some rank used p, as DDP. (Zeros
     kept by zero_grad(set_to_none=False) are a gradient.)"""
-    if zero.keeps_full_grads:
-        for p in unit.params:
-            if p.grad is None and p not in unit.hidden:
-                unit.view(unit.grad, p).zero_()
-                unit.hidden.add(p)
-                unit.received.discard(p)  # (a .grad of zeros kept by zero_grad, set to None since)
+    for p in unit.params if zero.keeps_full_grads else []:
+        if p.grad is None and p not in unit.hidden:
+            unit.view(unit.grad, p).zero_()
+            unit.hidden.add(p)
+            unit.received.discard(p)  # (a .grad of zeros kept by zero_grad, set to None since)
 
 
 def settle_unused(zero, with_grad):
@@ -1439,8 +1431,7 @@ class GPT(nn.Module):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
         self.head.weight = self.wte.weight
         self.apply(self.init_weights)  # (built on the meta device, this draws nothing: wrap(init=))
 
@@ -1557,8 +1548,8 @@ def train(args, build=None, keep_params=False, quiet=False):
     optimizer, label) parallelizes the meta-device model (zero_build; fsdp_demo.py: PyTorch's)."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
     _memory().check_fits(args, world, device)  # a model this machine cannot hold: refused
-    watch = args.max_memory and device.type == "cpu"  # the data size too (memory.py)
-    progress = _memory().Watch() if watch else Progress()
+    # --max-memory on CPU: memory.Watch, which follows the data size too
+    progress = _memory().Watch() if args.max_memory and device.type == "cpu" else Progress()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
         model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
     ckpt = args.ckpt_dir and _checkpoints().ckpt_dir_lock(args.ckpt_dir, device)
@@ -1590,8 +1581,6 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
                               f"{args.grad_accum} micro-batch(es)")]))
     ck = _checkpoints() if args.ckpt_dir or args.resume_from else None
     first, last_good = ck.resume(opt, args, world, device, log) if ck else (1, None)
-    # fsdp_demo.py's PyTorch runs count their calls in this context (zero.py's: Meter.sent)
-    counting = getattr(opt, "counting", contextlib.nullcontext)
     meter = getattr(opt, "meter", None)  # zero.py's times its waits (PyTorch's runs: unknown)
     times, waits, losses, sent, timeline, skipped = [], [], [], [], None, 0  # waits: Meter.wait's
     start = Counter(opt.comm)
@@ -1605,7 +1594,9 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
         if step == args.record_step:
             _memory().start_timeline(opt)  # --timeline: this step's events
         loss_sum = torch.zeros((), device=device)
-        counted = counting()  # one per step, entered twice: the check between is not counted
+        # fsdp_demo.py's PyTorch runs count their calls in this context (zero.py's: Meter.sent):
+        # one per step, entered twice: the check between is not counted
+        counted = getattr(opt, "counting", contextlib.nullcontext)()
         with counted:
             for micro in range(args.grad_accum):
                 x, y = get_batch(data, step, micro, dist.get_rank(), world, args.batch_size,
@@ -1983,8 +1974,10 @@ def run(main, argv=None):
     sys.exit(code)
 
 
-# _checkpoints(), _memory(): checkpoints.py and memory.py, files of their own, imported when needed
-_checkpoints, _memory = (functools.partial(__import__, name) for name in ("checkpoints", "memory"))
+# _checkpoints(), _memory(), _hybrid(), _meta_init(): checkpoints.py, memory.py, hybrid.py and
+# meta_init.py, files of their own, imported when needed
+_checkpoints, _memory, _hybrid, _meta_init = (functools.partial(__import__, name) for name in (
+    "checkpoints", "memory", "hybrid", "meta_init"))
 
 
 def say(line):
