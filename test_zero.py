@@ -1613,6 +1613,14 @@ def test_wrap_rejects_a_bad_stage():
         zero.wrap(Net(seed=0), 4, torch.optim.SGD)
 
 
+@pytest.mark.parametrize("name", ["Adafactor", "LBFGS"])
+def test_wrap_refuses_optimizers_that_look_at_whole_tensors(name):
+    # Adafactor on flat pieces steps without error and differs from torch's (RMS of a tensor,
+    # factored moments of a matrix): refused, as LBFGS (and Muon, from torch 2.9)
+    with pytest.raises(ValueError, match=f"zero: {name} looks at whole tensors"):
+        zero.wrap(Net(seed=0), 1, getattr(torch.optim, name))
+
+
 def estimate_rows(stdout):
     """{stage: (total GB, elements sent inside a group, across groups)} from --estimate."""
     rows = {}

@@ -185,8 +185,8 @@ class DataParallel:
         # 3; one per unit would step the same), views back to back: u.pieces; u.owners[i], the
         # parameters piece i holds. Exact for element-wise optimizers (SGD, Adam, AdamW...): each
         # element's update depends on its own gradient and state only. NOT for those that look at
-        # whole tensors (LAMB, Shampoo, Muon: a piece may hold slices), nor param groups.
-        self.optimizer = optimizer(optimizer_pieces(self))
+        # whole tensors (LAMB, Adafactor: a piece may hold slices; torch's refused), nor groups.
+        self.optimizer = element_wise(optimizer(optimizer_pieces(self)))
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
@@ -892,6 +892,18 @@ def optimizer_pieces(zero):
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
     return [piece for u in zero.units for piece in u.pieces]
+
+
+def element_wise(optimizer):
+    """optimizer, unless it is one of torch's that look at whole tensors: Adafactor (the RMS of
+    a tensor, and factored moments of a matrix), LBFGS (one direction for all), Muon (matrices).
+    On pieces they would step something else than unsharded torch does, silently (Adafactor)."""
+    whole = [getattr(torch.optim, name, None) for name in ("Adafactor", "LBFGS", "Muon")]
+    if isinstance(optimizer, tuple(c for c in whole if c is not None)):
+        raise ValueError(f"zero: {type(optimizer).__name__} looks at whole tensors, and each rank "
+                         "steps flat pieces of its shard: use an element-wise optimizer (SGD, "
+                         "Adam, AdamW, Adagrad...), whose update of an element reads only its own")
+    return optimizer
 
 
 def cut_pieces(zero, u, per_parameter):
