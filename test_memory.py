@@ -178,6 +178,16 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs):
     assert 'zero.py", line' not in out.stderr
 
 
+def test_the_limit_line_never_prints_a_negative_size(one_rank, capsys):
+    # A tiny model's state may take memory the runtime had freed: the data size grew less than
+    # the model state (seen with torch 2.6). The line says so instead of "-530KB not model state"
+    args = zero.training_parser("").parse_args(["--max-memory", "300MB"])
+    for used, want in [(3_500_000, "2.97MB of it not model state"),
+                       (0, "less than the model state (530kB): it took memory the runtime")]:
+        memory.report_limit({"peak": {"params": 530_000}, "used": used, "runtime": 1}, args)
+        assert want in capsys.readouterr().out
+
+
 # In a process of its own: the limit stays with the process.
 PEAK_BETWEEN_SAMPLES = Early("\n".join([
     "import torch, memory",
