@@ -502,8 +502,14 @@ def main_refused(main, argv):
 def command(*args, torchrun=0, script=os.path.join(HERE, "zero.py"), torchrun_args=()):
     """The command line of script (zero.py) with args: a process of its own, or torchrun's with
     that many ranks."""
-    return [sys.executable, *(["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
-                               *torchrun_args] if torchrun else []), script, *args]
+    return [*([*TORCHRUN, f"--nproc_per_node={torchrun}", *torchrun_args] if torchrun
+              else [sys.executable]), script, *args]
+
+
+# torchrun on one machine, each launch on a free port: recent torch's default; older torch (2.6,
+# tried) gives every launch port 29500, and two at once meet in one store (the suite runs some
+# side by side)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def run_py(*args, env=ENV, **how):

@@ -33,8 +33,9 @@ MODEL = ["--n-layer", "2", "--d-model", "32", "--seq-len", "32", "--batch-size",
 
 def run(args, ranks=0, timeout=600):
     """A command of this project, as a process (under torchrun with that many ranks)."""
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
-                                   if ranks else [])
+    # (--standalone: a free port, recent torchrun's default; older torch's is port 29500)
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
+                                    f"--nproc_per_node={ranks}"] if ranks else [])
     return subprocess.run(launcher + args, capture_output=True, text=True, cwd=HERE,
                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 import zero
-from conftest import ENV, HERE, scenario
+from conftest import ENV, HERE, TORCHRUN, scenario
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, HERE)
                              for p in glob.glob(os.path.join(HERE, "docs", "*.md")))]
@@ -176,7 +176,7 @@ def start_early():
             continue  # (gpu_check.py on a GPU: 10 minutes, run by hand)
         words = shlex.split(command.split(" #")[0].split("&&")[-1])
         words = [os.path.join(HERE, w) if w in SCRIPTS + ("gpu_check.py",) else w for w in words]
-        words = [sys.executable, "-m", "torch.distributed.run", *words[1:]] \
+        words = [*TORCHRUN, *words[1:]] \
             if words[0] == "torchrun" else [sys.executable, *words[1:]]
         if "--max-memory" in words and "--steps" not in words and "--largest-model" not in words:
             words += ["--steps", "2"]  # the default 30, shortened
@@ -282,7 +282,7 @@ def update(docs):
             words = shlex.split(command.split(" #")[0].split("&&")[-1])
             words = [os.path.join(HERE, w) if w in SCRIPTS + ("gpu_check.py",) else w
                      for w in words]
-            words = [sys.executable, "-m", "torch.distributed.run", *words[1:]] \
+            words = [*TORCHRUN, *words[1:]] \
                 if words[0] == "torchrun" else [sys.executable, *words[1:]]
             print(f"{where}: {command}", flush=True)
             out = subprocess.run(words, cwd=scratch, env=ENV, capture_output=True, text=True)
