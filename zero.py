@@ -895,14 +895,12 @@ def optimizer_pieces(zero):
 
 
 def element_wise(optimizer):
-    """optimizer, unless it is one of torch's that look at whole tensors: Adafactor (the RMS of
-    a tensor, and factored moments of a matrix), LBFGS (one direction for all), Muon (matrices).
-    On pieces they would step something else than unsharded torch does, silently (Adafactor)."""
-    whole = [getattr(torch.optim, name, None) for name in ("Adafactor", "LBFGS", "Muon")]
-    if isinstance(optimizer, tuple(c for c in whole if c is not None)):
+    """optimizer, unless one of torch's that look at whole tensors: Adafactor, LBFGS, Muon."""
+    whole = tuple(getattr(torch.optim, n) for n in ("Adafactor", "LBFGS", "Muon")
+                  if hasattr(torch.optim, n))
+    if isinstance(optimizer, whole):
         raise ValueError(f"zero: {type(optimizer).__name__} looks at whole tensors, and each rank "
-                         "steps flat pieces of its shard: use an element-wise optimizer (SGD, "
-                         "Adam, AdamW, Adagrad...), whose update of an element reads only its own")
+                         "steps flat pieces of its shard: use an element-wise one (SGD, Adam...)")
     return optimizer
 
 
