@@ -100,7 +100,7 @@ class Unit:
             self.offset[p], o = o, o + p.numel()
         self.my_slice = slice(rank * self.S, (rank + 1) * self.S)  # shard r, of rank r
         self.shard = self.flat[self.my_slice]  # [S] this rank's part (stage 0's _shard: all)
-        # Each stage's _shard sets what follows (stage 0: all of flat, a full gradient):
+        # Set by each stage's _shard (stage 0: all of flat, a full gradient), master by __init__:
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
         self.grad = None              # [N*S] the gradient buffer (stage 1, once reduced: its
@@ -251,9 +251,9 @@ class DataParallel:
 
     def _land_reductions(self, wait=True):
         # Oldest first, the same order as without overlap, so the sums are the same: with wait,
-        # every one; else those beyond max_in_flight (stage 0: all, as its all-reduces run in
-        # place and hold no memory of their own; one where each may hold a buffer: stage 2's
-        # full gradient, a receive buffer, a copy in another dtype) and those complete already.
+        # every one; else those beyond max_in_flight (stage 0: no limit, its all-reduces hold no
+        # memory of their own; else 1, as each may hold a buffer: stage 2's full gradient, gloo's
+        # all-to-all receive buffer, a copy in another dtype) and those complete already.
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
             work, unit, result = self.in_flight.pop(0)
@@ -470,7 +470,7 @@ class ZeRO3(ZeRO2):
         self._free(unit)
 
     def _gather(self, unit, prefetch=False):
-        if not unit.gathered:  # a new block, on the compute stream (CUDA streams: Part II)
+        if not unit.gathered:  # new memory, on the compute stream (CUDA streams: Part II)
             unit.flat.untyped_storage().resize_(unit.flat.numel() * unit.flat.element_size())
             unit.prefetch = all_gather(unit.flat, unit.shard, async_op=True, group=self.group)
             self.meter.sent("all_gather", unit.flat, unit)
