@@ -22,7 +22,7 @@ import pytest
 
 import tradeoffs
 import zero
-from conftest import main_printed, main_refused
+from conftest import MODEL, main_printed, main_refused
 
 # ----------------------------------------------------------------------------------------------
 # The time model
@@ -179,3 +179,9 @@ def test_cluster_estimate_assumes_a_shape_from_psi_where_none_is_given():
     out = main_printed(zero.main, ["--estimate", "--params", "7e9", "--world-size", "16",
                                    "--n-lay", "32", "--cluster", ""])  # (abbreviated)
     assert "32 layers of d_model 4288" in out and "d_model from Ψ and layers" in out
+
+
+def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):
+    # the median leaves the first step out, unless it is the only one
+    out = main_printed(zero.main, ["--tradeoffs", "--steps", "1", *MODEL])
+    assert "median step\n(one step, with its warm-up)" in out and "left out" not in out

@@ -445,7 +445,9 @@ def tradeoff_table(args):
     fitted = "\n".join(f"  {k:<15} {a * 1e6:8.0f} µs + bytes / {1 / b / 1e9 if b else 0:.3g} "
                        "GB/s" for k, (a, b) in cal["coll"].items())
     log0(f"\nmodel state: bytes held per rank after the step; sent: bytes per rank per step; "
-         f"step ms: median step\n(the first left out); waiting: of it, the time the training "
+         f"step ms: median step\n("
+         + ("the first left out" if args.steps > 1 else "one step, with its warm-up")
+         + f"); waiting: of it, the time the training "
          f"thread waited on collectives\n(measured inside their wait(); on CUDA, the compute "
          f"stream's stall, CUDA events).\npredicted: the time model (tradeoffs.py) calibrated "
          f"here, each collective a line through a sweep:\n{fitted}\n  forward + backward "
