@@ -23,12 +23,17 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 
-from zero import UsageError, _all_ranks, _digest, _wide, all_gather, layout, replicated, \
+from zero import UsageError, _all_ranks, _digest, all_gather, layout, replicated, \
     split_pieces
 
 
 class CheckpointError(UsageError):
     """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
+
+
+def _wide(t):
+    """t in float32, or kept in float64: the masters' precision."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -771,9 +776,9 @@ def consolidate(path, out, kind):
         else:
             import torch.distributed.checkpoint as dcp
             shutil.rmtree(tmp, ignore_errors=True)
-            with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-                warnings.simplefilter("ignore")
-                dcp.save(state, checkpoint_id=tmp, no_dist=True)
+            with warnings.catch_warnings():  # save_state_dict is deprecated, but takes no_dist
+                warnings.simplefilter("ignore")  # on every torch (dcp.save: from 2.7 on)
+                dcp.save_state_dict(state, dcp.FileSystemWriter(tmp), no_dist=True)  # no group
             _commit(tmp, out.rstrip(os.sep), DCP_MARKER, {"format": DCP_FORMAT, "optimizer": None,
                     **{k: manifest[k] for k in ("step", "stage", "world_size", "extra")}})
     except (OSError, RuntimeError, _dcp_error()) as e:
@@ -908,9 +913,9 @@ def load_dcp(zero, path):
         want = [f"model.{n}" for n in [*mine, *(n for n, _ in replicated(zero.model))]]
         want += [f"optimizer.state.{n}.{k}" for n in mine for k in keys[n]]
         loaded = {k: torch.empty_like(tensors[k], device="cpu") for k in want}
-        with warnings.catch_warnings():  # torch says no_dist looks unintended: it is intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(loaded, checkpoint_id=path, no_dist=True)  # this rank alone: no collective
+        with warnings.catch_warnings():  # load_state_dict is deprecated, but takes no_dist on
+            warnings.simplefilter("ignore", FutureWarning)  # every torch (dcp.load: from 2.7)
+            dcp.load_state_dict(loaded, dcp.FileSystemReader(path), no_dist=True)  # this rank only
     per_element = {k for n, ks in keys.items() for k in ks
                    if tensors[f"optimizer.state.{n}.{k}"].shape == tensors[f"model.{n}"].shape}
     # Adam's step count: a tensor of shape [] per parameter

@@ -196,6 +196,7 @@ def _rank_process(conn, transport):
                 conn.send(None)
             except BaseException:
                 conn.send(traceback.format_exc())
+        time.sleep(0.05)  # (torch 2.6: as zero.run, gloo's threads let go of tensors first)
         dist.destroy_process_group()
     os._exit(0)  # (a pool's process has nothing to tear down: the pool is done with it)
 
@@ -579,6 +580,7 @@ def one_rank():
     assert dist.get_world_size() == 1
     yield
     if made:
+        time.sleep(0.05)  # (torch 2.6: as zero.run, gloo's threads let go of tensors first)
         dist.destroy_process_group()
 
 

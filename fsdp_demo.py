@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -87,6 +87,11 @@ import zero
 PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
                  "FSDP2 fully_shard(reshard_after_forward=False)",
                  "FSDP2 fully_shard(reshard_after_forward=True)"]
+# FSDP2 on the CPU (gloo) before torch 2.9: 2.6's fails in its first all-gather (a CPU stream has
+# no record_event), 2.7's in HSDP (gloo has no AVG all-reduce), and up to 2.8 gloo's AVG
+# reduce-scatter sums: N times the gradients. Why it cannot run here, or None.
+NO_CPU_FSDP2 = None if torch.__version__ >= "2.9" else \
+    f"PyTorch's FSDP2 on the CPU needs torch 2.9 or newer (this is {torch.__version__})"
 
 
 def parallelize(model, args, device):
@@ -282,14 +287,14 @@ class Torch:
     def _load_zero(self, manifest, parts):
         """zero.py's checkpoint into FSDP2: each parameter, and each of its Adam states, whole
         from the memory-mapped parts (checkpoints.checkpoint_tensors), one at a time, then cut
-        into this rank's DTensor shard by distribute_tensor (src_data_rank=None: every rank holds
-        the same tensor, so nothing is sent); then torch's set_*_state_dict, sharded."""
+        into this rank's DTensor shard (every rank holds it whole: a Replicate DTensor, which
+        redistribute() cuts here, sending nothing); then torch's set_*_state_dict, sharded."""
         params = dict(self.model.named_parameters())
 
         def shard(name, full):
-            p = params[name]
-            return distribute_tensor(full.to(self.device), p.device_mesh, p.placements,
-                                     src_data_rank=None)
+            mesh = params[name].device_mesh
+            whole = DTensor.from_local(full.to(self.device), mesh, [Replicate()] * mesh.ndim)
+            return whole.redistribute(mesh, params[name].placements)
         weights = {n: shard(n, t) for n, t in checkpoints.checkpoint_tensors(manifest, parts)}
         # Adam's step counts (of the parameters ever stepped), then exp_avg, exp_avg_sq
         state = {n: dict(s) for n, s in checkpoints.checkpoint_scalars(parts).items()}
@@ -479,6 +484,9 @@ def main(argv=None):
         raise zero.UsageError("--units is zero.py's: fsdp_demo.py shards one unit per block")
     if args.ckpt_dir and args.compare:  # (at stages 0, 1 or with --bench: refused above)
         raise zero.UsageError("--ckpt-dir is not for --compare: both runs would write there")
+    if NO_CPU_FSDP2 and (args.stage > 1 or args.bench) and \
+            zero.choose_device(args.backend, args.device)[1].type == "cpu":
+        raise zero.UsageError(f"{NO_CPU_FSDP2}: --stage 0 or 1 (no --bench) or --device cuda")
     if args.bench:
         bench(args)
     elif args.compare:

@@ -6,7 +6,8 @@ What the README claims, and the tests that check it:
 
 - PyTorch's counterparts train like zero.py: test_pytorch_counterpart_trains_like_zero,
   test_hybrid_pytorch_counterpart_trains_like_zero, test_fsdp_demo_compare_end_to_end (and from
-  pretrained weights, --init-from), test_fsdp_demo_bf16_and_bad_input.
+  pretrained weights, --init-from), test_fsdp_demo_bf16; bad input is one line:
+  test_fsdp_demo_bad_input (also FSDP2 on the CPU where torch is older than 2.9).
 - They are measured the same way: test_dispatcher_count_agrees_with_zero_own_count,
   test_pytorch_memory_and_communication, test_bench_prints_every_stage_against_pytorch (no
   timing asserted: only that the ratio is the one of the two times printed).
@@ -30,8 +31,21 @@ import torch.nn.functional as F
 
 import checkpoints
 import conftest
+import fsdp_demo
 import zero
 from conftest import MODEL, SMALL, full_checkpoint, losses, main_printed, main_refused, scenario
+
+# PyTorch's FSDP2 on the CPU needs torch 2.9 or newer (fsdp_demo.NO_CPU_FSDP2 says why, or is
+# None): with an older torch the scenarios run DDP and ZeroRedundancyOptimizer only, FSDP2's own
+# scenarios are not run, and the tests that read FSDP2's runs are skipped, saying why.
+OLD = fsdp_demo.NO_CPU_FSDP2
+needs_fsdp2 = pytest.mark.skipif(OLD is not None, reason=str(OLD))
+STAGES = [0, 1, *(pytest.param(stage, marks=needs_fsdp2) for stage in (2, 3))]
+
+
+def fsdp2_scenario(*worlds, **kwargs):  # a scenario that runs FSDP2: none where torch is too old
+    return (lambda fn: fn) if OLD else scenario(*worlds, **kwargs)
+
 
 # ----------------------------------------------------------------------------------------------
 # PyTorch's own implementations train exactly like zero.py
@@ -41,16 +55,16 @@ def fsdp_scenarios(rank, world):
     import fsdp_demo
     args = zero.training_parser("").parse_args(SMALL + ["--grad-accum", "2"])
     out = {}
-    for stage in range(4):
+    for stage in range(2 if OLD else 4):
         args.stage = stage
         with contextlib.redirect_stdout(io.StringIO()):  # compare() prints both reports
             theirs, ours = fsdp_demo.compare(args, keep_params=True)
         out[stage] = {"theirs": theirs, "ours": ours}
-    if world == 4:
+    if world == 4 and not OLD:
         # the command lines of fsdp_demo.py, as zero.run(fsdp_demo.main) runs them
         out["--compare"] = main_printed(fsdp_demo.main, ["--stage", "3", "--compare", *SMALL])
         out["--bf16"] = main_printed(fsdp_demo.main, ["--stage", "3", "--bf16", *SMALL])
-    if world == 2:
+    if world == 2 and not OLD:
         # pretrained weights: FSDP2 loads rank 0's file with set_model_state_dict (broadcast from
         # rank 0), zero.py reads each rank's own shards of the memory-mapped file
         path = os.path.join(os.environ["ZERO_TEST_TMP"], "pretrained.pt")
@@ -80,7 +94,7 @@ BAD_FSDP = {("--stage", "5"): "--stage",
             ("--repeats", "5"): "--repeats is for --bench"}
 
 
-@scenario(2)
+@fsdp2_scenario(2)
 def small_bench(rank, world):
     import fsdp_demo
     saved, fsdp_demo.BENCH_MODELS = fsdp_demo.BENCH_MODELS, [
@@ -91,6 +105,7 @@ def small_bench(rank, world):
         fsdp_demo.BENCH_MODELS = saved
 
 
+@needs_fsdp2
 def test_bench_prints_every_stage_against_pytorch(ran):
     # --bench on a tiny model: no timing is asserted, only that every stage is run against its
     # counterpart, that the ratio is the one of the two times printed (within their rounding,
@@ -125,7 +140,7 @@ def fsdp_ranks(request, ran):
     return request.param, ran(fsdp_scenarios, request.param)
 
 
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("stage", STAGES)
 def test_pytorch_counterpart_trains_like_zero(fsdp_ranks, stage):
     world, results = fsdp_ranks
     for res in results:
@@ -143,7 +158,7 @@ def test_pytorch_counterpart_trains_like_zero(fsdp_ranks, stage):
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}
 
 
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("stage", STAGES)
 def test_dispatcher_count_agrees_with_zero_own_count(fsdp_ranks, stage):
     # fsdp_demo counts PyTorch's bytes at the dispatcher; on zero.py's run it must see exactly
     # what zero.py counted itself, or the side-by-side numbers are not measured the same way.
@@ -154,6 +169,7 @@ def test_dispatcher_count_agrees_with_zero_own_count(fsdp_ranks, stage):
     assert ours["comm_seen"] == calls and sum(ours["comm"].values()) > 0
 
 
+@needs_fsdp2
 def test_pytorch_memory_and_communication(fsdp_ranks):
     world, results = fsdp_ranks
     res = results[0]
@@ -174,6 +190,7 @@ def test_pytorch_memory_and_communication(fsdp_ranks):
     assert sum(res[3]["theirs"]["comm"].values()) == pytest.approx(2 * 3 * ring, rel=0.02)
 
 
+@needs_fsdp2
 def test_fsdp_demo_compare_end_to_end(ran, shared):
     # fsdp_demo.py --compare --stage 3 at N = 4: PyTorch's FSDP2, then zero.py's stage 3,
     # side by side
@@ -200,9 +217,13 @@ def test_fsdp_demo_compare_end_to_end(ran, shared):
             and abs(first[0] - want) < 1e-4 < 1e-2 < abs(want - other)), (first, want, other)
 
 
-def test_fsdp_demo_bf16_and_bad_input(ran, refused):
+@needs_fsdp2
+def test_fsdp_demo_bf16(ran):
     out = ran(fsdp_scenarios, 4)[0]["--bf16"]
     assert "bfloat16 compute" in out and len(losses(out)) == 3
+
+
+def test_fsdp_demo_bad_input(ran, refused, monkeypatch):
     # end to end, once: fsdp_demo.py's own command line, one line on stderr and exit code 2
     code, out, err, message = refused["fsdp_demo.py"]
     assert code == 2 and err.count("\n") == 1, err
@@ -213,9 +234,14 @@ def test_fsdp_demo_bf16_and_bad_input(ran, refused):
         for args, message, printed in answers:
             assert BAD_FSDP[args] in message and "\n" not in message and printed == "", \
                 (args, message)
+    # and PyTorch's FSDP2 on the CPU, where torch is too old for it (< 2.9): refused before a run
+    monkeypatch.setattr(fsdp_demo, "NO_CPU_FSDP2", "too old")
+    for argv in (["--stage", "2"], ["--bench"]):
+        with pytest.raises(zero.UsageError, match=r"^too old: --stage 0 or 1 \(no --bench\)"):
+            fsdp_demo.main([*argv, "--device", "cpu"])
 
 
-@scenario(4)
+@fsdp2_scenario(4)
 def hybrid_pytorch(rank, world):
     # FSDP2 on a 2-D mesh (replicate x shard, HSDP), against zero.py's stage 3 in groups of 2
     import fsdp_demo
@@ -224,6 +250,7 @@ def hybrid_pytorch(rank, world):
     return {"theirs": theirs, "ours": ours}
 
 
+@needs_fsdp2
 def test_hybrid_pytorch_counterpart_trains_like_zero(ran):
     for res in ran(hybrid_pytorch, 4):
         theirs, ours = res["theirs"], res["ours"]
@@ -253,7 +280,7 @@ def move_args(world, stage, steps, **kwargs):
     return argparse.Namespace(**{**vars(args), "ckpt_every": None, **kwargs})
 
 
-@scenario(4, 2)
+@fsdp2_scenario(4, 2)
 def moving_write(rank, world):
     # N = 4: zero.py at stage 1 and FSDP2 at stage 3 (DCP) each write a checkpoint after step 1;
     # N = 2: zero.py at stage 0 and FSDP2 at stage 2
@@ -274,7 +301,7 @@ def moving_write(rank, world):
             return {"first": theirs["first"], "theirs": theirs["losses"], "ours": ours["losses"]}
 
 
-@scenario(2, 4, reads=moving_write)
+@fsdp2_scenario(2, 4, reads=moving_write)
 def moving(rank, world):
     """Each direction continued for 2 steps on both sides (fsdp_demo.compare: FSDP2, then zero.py
     at the same stage), and the state each side holds right after loading."""
@@ -316,6 +343,7 @@ def moved(ran):
     return {2: ran(moving, 2)[0], 4: ran(moving, 4)[0], "hsdp": ran(moving_write, 4)[0]}
 
 
+@needs_fsdp2
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses(moved, world):
     # zero.py's checkpoint of the other N (stage 1 at N = 4, stage 0 at N = 2) continued by FSDP2
@@ -334,6 +362,7 @@ def test_a_run_moves_between_zero_and_fsdp2_with_the_same_losses(moved, world):
             and max(abs(a - b) for a, b in zip(hsdp["theirs"], hsdp["ours"])) <= 1e-5)
 
 
+@needs_fsdp2
 def test_moving_refuses_bad_input_in_one_line(ran, shared, one_rank, tmp_path):
     # --resume-from, on either side: one line (zero.run: exit code 2), nothing trained, nothing
     # written in --ckpt-dir, the source as it was
@@ -379,6 +408,7 @@ def dcp_full(path):
     return {**full, **{("master", n): state["model"][n] for (_, n) in full}}
 
 
+@needs_fsdp2
 @pytest.mark.parametrize("world", [2, 4])
 def test_moving_keeps_every_weight_and_adam_value(moved, shared, world):
     # Element by element, right after the conversion: FSDP2's weights, m, v and step count are
