@@ -26,7 +26,7 @@ from multiprocessing import connection, get_context
 import torch
 import torch.distributed as dist
 
-from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, bytes_per_parameter, \
+from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, bytes_per_parameter, \
     check_args, formula_symbols, gpu_each, log0, memory_formula, train, training_parser
 
 # ----------------------------------------------------------------------------------------------
@@ -35,6 +35,11 @@ from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, _si, bytes
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
+    unit, scale = next(((u, s) for u, s in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s), ("", 1))
+    return f"{n / scale:.4g}{unit}" if unit else f"{n:.0f}"
 
 
 def memory_size(text):

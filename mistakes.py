@@ -635,7 +635,8 @@ def run_lab(names, quick=False):
 
 def main(argv=None):
     p = zero.Parser(description="The classic mistakes of data-parallel and ZeRO training, each "
-                                "run beside the right code and measured.")
+                                "run beside the right code and measured.",
+                    formatter_class=zero._ShowDefaults)
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="mistakes to run, with detail (default: every one, one table)")
     p.add_argument("--list", action="store_true", help="print the names and stages, and exit")

@@ -116,7 +116,7 @@ def test_timeline_text_fits_100_columns(timelines):
                             for line in text.splitlines()) if m]
         events = [e for s, e, _ in timelines[0][name]["sampled"]]
         assert [m[2].rstrip() for m in rows] == [e["event"][:34] for e in events]
-        assert [m[3] for m in rows] == [zero._si(e["params"]) for e in events]
+        assert [m[3] for m in rows] == [memory._si(e["params"]) for e in events]
         assert sum(m[1] == "▶" for m in rows) == len(stages)
         assert out.count("  ▶ peak ") == len(stages) and "wrote " in out
     assert "model state per rank" in timelines[0]["bf16"]["stdout"]  # --timeline: the report too

@@ -20,6 +20,7 @@ import re
 
 import pytest
 
+import memory
 import tradeoffs
 import zero
 from conftest import MODEL, main_printed, main_refused
@@ -98,7 +99,7 @@ def test_cluster_estimate_memory_is_the_formulas():
     assert len(table) == 2 * (1 + 3 * 2)  # stage 0 at G = N; stages 1-3 at G = 16 and 8
     for stage, G, _, state, _, _, _ in table:
         want = sum(zero.memory_formula(stage, 7e9, 16, 2, 2, 12, G).values())
-        assert state == zero._si(want)
+        assert state == memory._si(want)
     # the same numbers as --estimate's own table, which prints first
     estimated = re.findall(r"^(\d) .* (\S+) GB +\S+ +\S+$", out, re.M)
     for stage, total in estimated:

@@ -1179,6 +1179,50 @@ def test_torch_gradient_conventions_and_conversions(one_rank, stage):
         assert torch.allclose(t, dict(plain.named_parameters())[name], atol=1e-6), name
 
 
+class Empty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Parameter(torch.zeros(0))
+
+    def forward(self, h):
+        return h + self.e.sum()
+
+
+class Reads(nn.Module):
+    """Its forward reads a block's weight (read()) before the blocks compute."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb, self.blocks = nn.Embedding(V, D), nn.ModuleList(nn.Linear(D, D) for _ in "ab")
+        self.empty, self.read = Empty(), None  # a unit of zero elements
+
+    def forward(self, x):
+        h = self.empty(self.emb(x) * (self.read().sum() if self.read else 1))
+        for block in self.blocks:
+            h = block(h)
+        return h @ self.emb.weight.T
+
+
+def test_stage3_refuses_values_read_outside_their_modules(one_rank):
+    # A block's weight read by the root before the block computes: from the second step its unit
+    # is prefetched then, its memory there and its values on the way (2 ranks: off by 1e-2,
+    # silently); refused as when not prefetched. So is .T, a view of the values (a raw torch
+    # error before). A unit of zero elements is gathered as any other (refused before).
+    for read in (lambda m: m.blocks[0].weight, lambda m: m.blocks[1].weight.T):
+        model = Reads()
+        opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1),
+                        units=[model.empty, *model.blocks])
+        x = global_batch(0, 0, 1)[0]
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model.read = functools.partial(read, model)
+        with pytest.raises(RuntimeError, match=r"^zero: blocks\.\d\.weight is sharded at stage 3 "
+                           "and not gathered now"):
+            model(x)
+
+
 class SparseLookup(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1613,12 +1657,53 @@ def test_wrap_rejects_a_bad_stage():
         zero.wrap(Net(seed=0), 4, torch.optim.SGD)
 
 
-@pytest.mark.parametrize("name", ["Adafactor", "LBFGS"])
-def test_wrap_refuses_optimizers_that_look_at_whole_tensors(name):
-    # Adafactor on flat pieces steps without error and differs from torch's (RMS of a tensor,
-    # factored moments of a matrix): refused, as LBFGS (and Muon, from torch 2.9)
-    with pytest.raises(ValueError, match=f"zero: {name} looks at whole tensors"):
-        zero.wrap(Net(seed=0), 1, getattr(torch.optim, name))
+def by_dim(params):  # nanoGPT's weight decay on matrices only: every flat piece is 1-D
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0}])
+
+
+@pytest.mark.parametrize("optimizer, says", [
+    # Adafactor on flat pieces stepped without error and differed from torch's (the RMS of a
+    # tensor, factored moments of a matrix); groups by dim put every piece in the 1-D group:
+    # no weight decay, silently. Now each is refused, as what is no optimizer at all.
+    (torch.optim.Adafactor, "optimizer Adafactor is not element-wise"),
+    (torch.optim.LBFGS, "optimizer LBFGS is not element-wise"),
+    (torch.optim.SparseAdam, "optimizer SparseAdam is not element-wise"),
+    (by_dim, "optimizer AdamW must step the parameters it is given, in one group"),
+    (lambda ps: torch.optim.SGD(list(ps)[:1]), "optimizer SGD must step the parameters"),
+    (lambda ps: None, "optimizer is a .*, not <lambda>$"),
+    (torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "optimizer is a .*, not a SGD$"),
+    (nn.Linear, "optimizer is a .*, not Linear$"), (None, "optimizer is a .*, not a NoneType$")])
+def test_wrap_refuses_what_would_not_step_as_unsharded_torch(optimizer, says):
+    with pytest.raises(ValueError, match=f"^zero: {says}"):
+        zero.wrap(Net(seed=0), 1, optimizer)
+
+
+@pytest.mark.parametrize("option, says", [
+    (dict(overlpa=False), "wrap() has no option 'overlpa': see Options"),
+    (dict(bucket_bytes=-5), "bucket_bytes must be a whole number of bytes, 0 or more, not -5"),
+    (dict(param_dtype=torch.int32), "param_dtype must be a floating-point torch dtype, not "),
+    (dict(reduce_dtype="fp32"), "reduce_dtype must be a floating-point torch dtype, not 'fp32'")])
+def test_wrap_refuses_a_bad_option_in_one_line(option, says):
+    with pytest.raises(ValueError, match=f"^zero: {re.escape(says)}"):
+        zero.wrap(Net(seed=0), 1, torch.optim.SGD, **option)
+
+
+def test_run_ends_zero_own_errors_in_one_line(monkeypatch, capsys):
+    # zero.py's own refusals (ValueError at wrap(), RuntimeError in use): one line, exit 2; any
+    # other error is a bug and keeps its traceback
+    monkeypatch.setattr(zero.dist, "is_initialized", lambda: False)  # (the group stays up)
+    for error in (ValueError("zero: a refusal"), RuntimeError("zero: a refusal")):
+        with pytest.raises(SystemExit) as e:
+            zero.run(lambda: _raise(error))
+        assert e.value.code == 2 and capsys.readouterr().err.endswith(": error: a refusal\n")
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        zero.run(lambda: _raise(RuntimeError("a bug")))
+
+
+def _raise(error):
+    raise error
 
 
 def estimate_rows(stdout):
@@ -2128,6 +2213,7 @@ def hybrid_in_a_new_group(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["sgd"], rows, world, STEPS)
         out.append(opt.full_state_dict())
         del model, opt
+        time.sleep(0.05)  # (torch 2.6: as zero.run, gloo's threads let go of tensors first)
         dist.destroy_process_group()
         gc.collect()
         out.append(len(hybrid._GROUPS))  # default groups whose subgroups are still held

@@ -27,8 +27,8 @@ longer; what is left over waits (exposed). Not modeled: the kernels' launch over
 and on CPU the cores that compute and communication share (why the prediction is off there).
 
 What it uses of zero.py: the formulas (memory_formula, comm_formula), train() and its results,
-the collectives (all_gather, reduce_scatter), the demo GPT, adamw() and PIECE. zero.py imports
-this file at the flags that need it.
+the collectives (all_gather, reduce_scatter), the demo GPT, adamw() and PIECE; memory.py's _si
+(bytes as text). zero.py imports this file at the flags that need it.
 """
 import argparse, dataclasses, statistics, time
 
@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zero import GPT, PIECE, STAGE_NAMES, UsageError, _si, adamw, all_gather, comm_formula, \
-    log0, memory_formula, reduce_scatter, setup, train
+from memory import _si
+from zero import GPT, PIECE, STAGE_NAMES, UsageError, adamw, all_gather, comm_formula, log0, \
+    memory_formula, reduce_scatter, setup, train
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,8 +445,8 @@ def tradeoff_table(args):
                  f"{want['exposed'] * 1e3:>8.1f} {got['step'] / want['step']:>6.2f}")
     fitted = "\n".join(f"  {k:<15} {a * 1e6:8.0f} µs + bytes / {1 / b / 1e9 if b else 0:.3g} "
                        "GB/s" for k, (a, b) in cal["coll"].items())
-    log0(f"\nmodel state: bytes held per rank after the step; sent: bytes per rank per step; "
-         f"step ms: median step\n("
+    log0("\nmodel state: bytes held per rank after the step; sent: bytes per rank per step; "
+         "step ms: median step\n("
          + ("the first left out" if args.steps > 1 else "one step, with its warm-up")
          + f"); waiting: of it, the time the training "
          f"thread waited on collectives\n(measured inside their wait(); on CUDA, the compute "

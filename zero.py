@@ -55,7 +55,7 @@ classic mistakes), fsdp_demo.py (the same with PyTorch's DDP and FSDP2). One int
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
 Activations are not model state, and no stage here shards them.
 """
-import argparse, contextlib, dataclasses, functools, hashlib, json, os
+import argparse, contextlib, dataclasses, functools, hashlib, inspect, json, os
 import statistics, sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
@@ -91,7 +91,7 @@ class Unit:
     def __init__(self, modules, params, rank, N, S=None):
         self.modules, self.params = modules, params  # modules []: the root unit, or a bucket
         numel = sum(p.numel() for p in params)
-        self.S = S or -(-numel // N)  # numel / N, rounded up (make_units may ask for more)
+        self.S = S or -(-numel // N) or 1  # numel / N, rounded up (make_units may ask more)
         self.flat = torch.zeros(N * self.S, dtype=params[0].dtype, device=params[0].device)
         self.offset, o = {}, 0
         for p in params:
@@ -185,8 +185,8 @@ class DataParallel:
         # 3; one per unit would step the same), views back to back: u.pieces; u.owners[i], the
         # parameters piece i holds. Exact for element-wise optimizers (SGD, Adam, AdamW...): each
         # element's update depends on its own gradient and state only. NOT for those that look at
-        # whole tensors (LAMB, Adafactor: a piece may hold slices; torch's refused), nor groups.
-        self.optimizer = element_wise(optimizer(optimizer_pieces(self)))
+        # whole tensors (LAMB, Adafactor: a piece may hold slices), nor groups: torch's refused.
+        self.optimizer = optimizer_of_pieces(self, optimizer)  # (checked: element-wise)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
@@ -650,6 +650,8 @@ AGREED = ("param_dtype", "reduce_dtype", "overlap", "check_steps", "N", "buffers
 
 def configure(zero, model, options):
     """wrap()'s set-up that is not the algorithm: options, units, device, Ψ, meter, checks."""
+    for name in set(options) - {f.name for f in dataclasses.fields(Options)}:
+        raise ValueError(f"zero: wrap() has no option {name!r}: see Options")
     o = Options(**options)
     if not dist.is_initialized():  # a group for this model's device: torchrun's, or of one
         built = {p.device.type for p in model.parameters()} - {"meta"}
@@ -711,6 +713,11 @@ def make_units(zero, model, modules):
     for bad, message in [
             (zero.buffers not in ("broadcast", "none"),
              f"buffers must be 'broadcast' or 'none', not {zero.buffers!r}"),
+            (not (type(zero.bucket_bytes) is int and zero.bucket_bytes >= 0),
+             f"bucket_bytes must be a whole number of bytes, 0 or more, not {zero.bucket_bytes!r}"),
+            *[(not (d is None or isinstance(d, torch.dtype) and d.is_floating_point),
+               f"{k} must be a floating-point torch dtype, not {d!r}") for k, d in (
+                ("param_dtype", zero.param_dtype), ("reduce_dtype", zero.reduce_dtype))],
             (any(hasattr(p, "_zero_unit") for p in model.parameters()), "this model is wrapped "
              "already (wrap() changes it in place): build a new model to wrap it again"),
             (not (isinstance(zero.N, int) and zero.N > 0 and zero.world % zero.N == 0),
@@ -885,23 +892,29 @@ def buckets(groups, bucket_bytes):
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
 
 
-def optimizer_pieces(zero):
-    """The tensors the optimizer steps: each unit's master cut into pieces (views); u.owners:
-    the parameters each holds elements of. Cut where parameters start only when needed."""
+def optimizer_of_pieces(zero, make):
+    """make(pieces), the torch optimizer of each unit's master cut into pieces (views); u.owners:
+    the parameters each holds elements of (cut where parameters start only when needed).
+    Checked: one group holding exactly the pieces, element-wise (not Adafactor, LBFGS, Muon,
+    SparseAdam: on pieces they would step something else)."""
     zero.piece = PIECE.get(zero.units[0].flat.device.type, PIECE["cuda"])
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
-    return [piece for u in zero.units for piece in u.pieces]
-
-
-def element_wise(optimizer):
-    """optimizer, unless one of torch's that look at whole tensors: Adafactor, LBFGS, Muon."""
-    whole = tuple(getattr(torch.optim, n) for n in ("Adafactor", "LBFGS", "Muon")
-                  if hasattr(torch.optim, n))
-    if isinstance(optimizer, whole):
-        raise ValueError(f"zero: {type(optimizer).__name__} looks at whole tensors, and each rank "
-                         "steps flat pieces of its shard: use an element-wise one (SGD, Adam...)")
-    return optimizer
+    pieces = [piece for u in zero.units for piece in u.pieces]
+    opt = make(pieces) if callable(make) and not (
+        isinstance(make, type) and not issubclass(make, torch.optim.Optimizer)) else make
+    if opt is make or not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError("zero: optimizer is a torch optimizer class, or a function of the "
+                         "parameters that makes one (partial(AdamW, lr=1e-3)), not "
+                         + getattr(make, "__name__", f"a {type(make).__name__}"))
+    if any(isinstance(opt, getattr(torch.optim, n, ())) for n in ("Adafactor", "LBFGS", "Muon",
+                                                                   "SparseAdam")):
+        raise ValueError(f"zero: optimizer {type(opt).__name__} is not element-wise on dense "
+                         "tensors (SGD, Adam... are); each rank steps flat pieces of its shard")
+    if [set(map(id, g["params"])) for g in opt.param_groups] != [set(map(id, pieces))]:
+        raise ValueError(f"zero: optimizer {type(opt).__name__} must step the parameters it is "
+                         "given, in one group: each rank steps flat pieces of its shard")
+    return opt
 
 
 def cut_pieces(zero, u, per_parameter):
@@ -1048,16 +1061,15 @@ class Meter:
     def wait(self, work):
         """work.wait(), timed: what overlap did not hide. CPU: this thread's time inside wait()
         (gloo's local sum after an all-to-all included); CUDA: the stream's stall, by events."""
-        if not self.cuda:
-            start = time.perf_counter()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             work.wait()
-            self.seconds += time.perf_counter() - start
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+            end.record()
+            return self.events.append((start, end))
+        start = time.perf_counter()
         work.wait()
-        end.record()
-        self.events.append((start, end))
+        self.seconds += time.perf_counter() - start
 
     def waited(self):
         """Seconds waited in wait() so far (CUDA: synchronized)."""
@@ -1147,11 +1159,6 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
     return out
 
 
-def _si(n):  # bytes, 4 significant digits: 1543808 -> "1.544M"
-    unit, scale = next(((u, s) for u, s in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s), ("", 1))
-    return f"{n / scale:.4g}{unit}" if unit else f"{n:.0f}"
-
-
 # ----------------------------------------------------------------------------------------------
 # Checks: bad input is a clear error, ranks that disagree fail fast instead of hanging
 
@@ -1170,20 +1177,21 @@ class ShardedParameter(nn.Parameter):
                 "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
                 "register_hook", "requires_grad_", "retain_grad", "__hash__",
                 "is_floating_point", "is_complex", "is_signed", "get_device", "__len__"}
+    VALUES = {"data", "T", "mT", "H", "mH", "real", "imag"}  # properties that are views
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__"):  # a property: only getting .data hands out the values
-            reads = name == "__get__" and getattr(func.__self__, "__name__", "") == "data"
+        if name in ("__get__", "__set__"):  # a property: getting .data, .T... hands out values
+            reads = name == "__get__" and getattr(func.__self__, "__name__", "") in cls.VALUES
         else:  # x.view_as(p) asks p for its shape only
             reads = name not in cls.METADATA and (name != "view_as" or type(args[0]) is cls)
-        for a in args:
-            if reads and type(a) is cls and not a._zero_unit().gathered:
+        for u, a in [(a._zero_unit(), a) for a in args if reads and type(a) is cls]:
+            if not u.gathered or u.prefetch is not None:  # (prefetched: its values on the way)
                 raise RuntimeError(
-                    f"zero: {a._zero_name} is sharded at stage 3 and not gathered now (only inside "
-                    "forward and backward): read the model with opt.full_state_dict() on every "
-                    "rank, save it with checkpoints.save_checkpoint()")
+                    f"zero: {a._zero_name} is sharded at stage 3 and not gathered now: only while "
+                    "its module computes (a module computing with it belongs in its unit); read: "
+                    "opt.full_state_dict() on every rank; save: checkpoints.save_checkpoint()")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
@@ -1372,17 +1380,13 @@ DataParallel.load_full_state_dict = \
     lambda self, state: _checkpoints().load_full_state_dict(self, state)
 
 
-def _wide(t):
-    """t in float32, or kept in float64: the masters' precision."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def layout(zero):
     """The names and shapes of each unit's parameters, and what else a reader needs."""
     names = {p: n for n, p in zero.model.named_parameters()}
     u0 = zero.units[0]
     return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.N, "psi": zero.psi,
-            "dtype": {"compute": str(u0.flat.dtype), "master": str(_wide(u0.master).dtype)},
+            "dtype": {"compute": str(u0.flat.dtype),  # the masters': float32, or float64 kept
+                      "master": str(torch.promote_types(u0.master.dtype, torch.float32))},
             "units": [[[names[p], list(p.shape)] for p in u.params] for u in zero.units],
             "replicated": {n: list(t.shape) for n, t in replicated(zero.model)}}
 
@@ -1772,9 +1776,6 @@ class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=_ShowDefaults, **kwargs)
-
     def error(self, message):
         raise UsageError(message)
 
@@ -1792,7 +1793,7 @@ def positive(kind):
 
 
 def training_parser(description):
-    p = Parser(description=description)
+    p = Parser(description=description, formatter_class=_ShowDefaults)
     add = p.add_argument
     add("--stage", type=int, default=3, choices=range(4), help="0 data parallel, 1-3 ZeRO")
     for flag, kind, default, text in [
@@ -1943,18 +1944,24 @@ def main(argv=None):
 
 def run(main, argv=None):
     """Run main() or main(argv): bad input, divergence, out of memory: one line, exit 2, 3, 4."""
-    import inspect
     code, prog = 0, os.path.basename(sys.argv[0])
     rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
     try:
         main(argv) if inspect.signature(main).parameters else main()
     except (UsageError, Diverged) as e:
         code, line = (2 if isinstance(e, UsageError) else 3), f"error: {e}" * rank0
-    except ValueError as e:
-        # wrap's own checks ("zero: ...") are what the ranks were told to run, not bugs
-        if not str(e).startswith("zero: "):
-            raise
-        code, line = 2, f"error: {str(e)[len('zero: '):]}" * rank0
+    except (ValueError, RuntimeError) as e:
+        if str(e).startswith("zero: "):  # zero.py's own checks: a model or use it refuses
+            code, line = 2, f"error: {str(e)[len('zero: '):]}" * rank0
+        elif isinstance(e, ValueError) or not isinstance(e, dist.DistError) and not any(
+                m in str(e).lower() for m in ("gloo/transport", "connection reset", "nccl",
+                                              "connection closed", "timed out", "timeout",
+                                              "pair closure")):
+            raise  # (anything else: a bug)
+        else:  # another rank died or a collective waited past --timeout: one line
+            code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, "
+                             "another rank is gone or --timeout passed "
+                             f"({str(e).strip().splitlines()[0][:200]})")
     except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
         code, line = 4, f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
@@ -1962,21 +1969,13 @@ def run(main, argv=None):
             argv or sys.argv))  # (argparse takes abbreviations: --ckpt-e is --ckpt-every)
         code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
                            ckpt) * rank0
-    except (dist.DistError, RuntimeError) as e:
-        # Another rank died or a collective waited past --timeout: one line. Anything else: a bug
-        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in (
-                "gloo/transport", "Connection reset", "Connection closed", "Timed out",
-                "timed out", "timeout", "pair closure", "NCCL")):
-            raise
-        code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, another "
-                         "rank is gone or --timeout passed "
-                         f"({str(e).strip().splitlines()[0][:200]})")
     else:
         line = ""
     if line:
         say(f"{prog}: {line}")
     if dist.is_initialized() and code not in (1, 4, 130):
-        dist.destroy_process_group()
+        time.sleep(0.05)  # torch 2.6: a gloo thread letting go of a tensor waits for the GIL,
+        dist.destroy_process_group()  # which this holds while it joins them: let them finish
     sys.stdout.flush()
     sys.stderr.flush()
     if code in (1, 4, 130):  # the group is not destroyed (a rank is gone): no teardown, which
