@@ -9,7 +9,8 @@ What the README claims, and the tests that check it:
   test_timeline_svg_has_one_band_per_kind_and_stage, test_timeline_text_fits_100_columns,
   test_timeline_bad_input_is_one_line_and_exit_2.
 - --max-memory is enforced, and running out is one line: test_max_memory_passes_what_fits_and_
-  refuses_what_cannot, test_cuda_max_memory_refuses_a_run_that_cannot_fit (on a GPU).
+  refuses_what_cannot, test_cuda_max_memory_refuses_a_run_that_cannot_fit (on a GPU); its report
+  line: test_the_limit_line_never_prints_a_negative_size.
 - --largest-model finds each stage's wall: test_largest_model_finds_the_wall_of_each_stage (the
   guess and the bracket), test_peak_data_sees_a_peak_between_samples (what a trial held at the
   most), test_a_trial_out_of_memory_ends_only_that_trial,

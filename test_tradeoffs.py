@@ -14,7 +14,8 @@ What the README claims, and the tests that check it:
   (test_hybrid_sharding_wins_stage_3_back_over_slow_links), bad input is one line
   (test_cluster_bad_input_is_one_line).
 - --tradeoffs: its memory and bytes are the report's: test_tradeoff_table_is_the_reports (a
-  4-rank launch shared with test_zero.py's command-line runs).
+  4-rank launch shared with test_zero.py's command-line runs); of one step, its median says so
+  (test_a_one_step_table_says_its_median_holds_the_warm_up).
 """
 import re
 

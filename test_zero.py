@@ -39,7 +39,9 @@ What the README claims of zero.py, and the tests that check it:
   test_reading_a_stage3_parameter_is_an_error_not_a_crash,
   test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_
   depth, test_output_tensors_are_found_at_any_depth, test_stage3_hooks_a_unit_output_of_any_
-  structure.
+  structure, test_stage3_refuses_values_read_outside_their_modules (a prefetch in flight too).
+- Only what steps as unsharded torch does: test_wrap_refuses_what_would_not_step_as_unsharded_
+  torch (groups, Adafactor...), test_wrap_refuses_a_bad_option_in_one_line.
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
@@ -48,8 +50,8 @@ What the README claims of zero.py, and the tests that check it:
   test_hybrid_memory_and_communication_by_group, test_estimate_reproduces_the_paper.
 - The command line: test_cli_trains_under_torchrun; bad input is one line on stderr and exit
   code 2 (test_bad_input_is_one_line_and_exit_2, test_bad_flags_are_one_line,
-  test_wrap_rejects_a_bad_stage); a dead rank is one line and exit code 1
-  (test_a_dead_rank_ends_the_job).
+  test_wrap_rejects_a_bad_stage, test_run_ends_zero_own_errors_in_one_line); a dead rank is one
+  line and exit code 1 (test_a_dead_rank_ends_the_job).
 - On a GPU (CUDA tensors, the reference on CPU): every test that takes `ranks` or `hybrid_runs`,
   again for the ids cuda-gloo-N2 and cuda-gloo-N4 (N ranks sharing one GPU over gloo) and
   cuda-nccl-N1, -N2, -N4 (NCCL, a GPU per rank), which covers stage 3 on CUDA streams with
