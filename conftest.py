@@ -158,6 +158,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def destroy_group():
+    time.sleep(0.05)  # torch 2.6: as in zero.run, gloo's threads let go of their tensors first
+    dist.destroy_process_group()
+
+
 def _rank_process(conn, transport):
     """A process of the pool. Each task: join a new process group as `rank` of `world`, call each
     scenario in turn, from zero.py's own settings, and save what it returned; after each, say so
@@ -196,8 +201,7 @@ def _rank_process(conn, transport):
                 conn.send(None)
             except BaseException:
                 conn.send(traceback.format_exc())
-        time.sleep(0.05)  # (torch 2.6: as zero.run, gloo's threads let go of tensors first)
-        dist.destroy_process_group()
+        destroy_group()
     os._exit(0)  # (a pool's process has nothing to tear down: the pool is done with it)
 
 
@@ -580,8 +584,7 @@ def one_rank():
     assert dist.get_world_size() == 1
     yield
     if made:
-        time.sleep(0.05)  # (torch 2.6: as zero.run, gloo's threads let go of tensors first)
-        dist.destroy_process_group()
+        destroy_group()
 
 
 EARLY = tempfile.mkdtemp(prefix="zero-early-")  # the early processes' files, gone at exit

@@ -2215,8 +2215,7 @@ def hybrid_in_a_new_group(rank, world):
         run_steps(model, opt, opt.clip_grad_norm_, CASES["sgd"], rows, world, STEPS)
         out.append(opt.full_state_dict())
         del model, opt
-        time.sleep(0.05)  # (torch 2.6: as zero.run, gloo's threads let go of tensors first)
-        dist.destroy_process_group()
+        conftest.destroy_group()
         gc.collect()
         out.append(len(hybrid._GROUPS))  # default groups whose subgroups are still held
         store = dist.FileStore(os.path.join(os.environ["ZERO_TEST_TMP"], f"regroup{attempt}"),
