@@ -118,7 +118,8 @@ def raise_if_out_of_memory(e, args, model, progress):
     one): OutOfMemory, one line naming the rank, where it was (zero.Progress) and the stage's
     formula. Any other error: nothing (train() raises it as it is)."""
     if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
-            "can't allocate memory", "Cannot allocate memory", "bad_alloc"))):
+            "can't allocate memory", "Cannot allocate memory", "bad_alloc")) or args.max_memory
+            and "could not create a primitive" in str(e)):  # (oneDNN's, refused its memory)
         return
     unlimit_memory()  # the line below needs memory too: under the limit it failed again
     world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())

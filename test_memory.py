@@ -10,7 +10,8 @@ What the README claims, and the tests that check it:
   test_timeline_bad_input_is_one_line_and_exit_2.
 - --max-memory is enforced, and running out is one line: test_max_memory_passes_what_fits_and_
   refuses_what_cannot, test_cuda_max_memory_refuses_a_run_that_cannot_fit (on a GPU); its report
-  line: test_the_limit_line_never_prints_a_negative_size.
+  line: test_the_limit_line_never_prints_a_negative_size; out of memory however the library
+  words it: test_out_of_memory_is_named_however_the_library_words_it.
 - --largest-model finds each stage's wall: test_largest_model_finds_the_wall_of_each_stage (the
   guess and the bracket), test_peak_data_sees_a_peak_between_samples (what a trial held at the
   most), test_a_trial_out_of_memory_ends_only_that_trial,
@@ -187,6 +188,21 @@ def test_the_limit_line_never_prints_a_negative_size(one_rank, capsys):
                        (0, "less than the model state (530kB): it took memory the runtime")]:
         memory.report_limit({"peak": {"params": 530_000}, "used": used, "runtime": 1}, args)
         assert want in capsys.readouterr().out
+
+
+def test_out_of_memory_is_named_however_the_library_words_it(one_rank):
+    # Under --max-memory 1MB a trial's rank once failed in oneDNN ("could not create a
+    # primitive": it could not allocate): out of memory, as torch's and glibc's words are; without
+    # a limit that error is not presumed to be memory
+    args = zero.training_parser("").parse_args(["--max-memory", "1MB"])
+    model, progress = torch.nn.Linear(2, 2), zero.Progress()
+    for error in (RuntimeError("could not create a primitive"), MemoryError(),
+                  RuntimeError("std::bad_alloc")):
+        with pytest.raises(zero.OutOfMemory, match=r"^rank 0: out of memory in building the "):
+            memory.raise_if_out_of_memory(error, args, model, progress)
+    args.max_memory = None
+    assert memory.raise_if_out_of_memory(RuntimeError("could not create a primitive"), args,
+                                         model, progress) is None
 
 
 # In a process of its own: the limit stays with the process.
