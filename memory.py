@@ -10,14 +10,15 @@ enforces, over the events of one step, and how large a model each stage trains w
 What it is: --max-memory (RLIMIT_DATA on CPU, the CUDA allocator's share on a GPU, and the
 peak data size a rank reached under it), --largest-model (a search that launches trials of N
 ranks and brackets each stage's wall), --timeline (zero.py's Meter records every event of a
-step; this file draws them, as text and as an SVG), and the check every run of the demo makes
-first: a model this machine cannot hold is refused before it is built (check_fits).
+step; this file draws them, as text and as an SVG), and what every run of the demo uses: a
+model this machine cannot hold is refused before it is built (check_fits), and where a rank
+is (Progress) names the moment it runs out of memory.
 
-What it uses of zero.py: train() and its Progress, the Meter's records (meter.timeline), the
-formulas (memory_formula), the demo GPT and the command line's parser (training_parser,
-check_args). zero.py imports this file at the flags and the call that need it.
+What it uses of zero.py: train(), the Meter's records (meter.timeline), the formulas
+(memory_formula), the demo GPT and the command line's parser (training_parser, check_args).
+zero.py imports this file at the flags and the calls that need it.
 """
-import argparse, bisect, contextlib, functools, os, pathlib, signal, socket, sys, time
+import argparse, bisect, contextlib, dataclasses, functools, os, pathlib, signal, socket, sys, time
 from collections import namedtuple
 from html import escape
 from itertools import accumulate
@@ -26,8 +27,8 @@ from multiprocessing import connection, get_context
 import torch
 import torch.distributed as dist
 
-from zero import GPT, STAGE_NAMES, OutOfMemory, Progress, UsageError, bytes_per_parameter, \
-    check_args, formula_symbols, gpu_each, log0, memory_formula, train, training_parser
+from zero import GPT, STAGE_NAMES, OutOfMemory, UsageError, bytes_per_parameter, check_args, \
+    formula_symbols, gpu_each, log0, memory_formula, train, training_parser
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
@@ -115,7 +116,7 @@ def unlimit_memory():
 
 def raise_if_out_of_memory(e, args, model, progress):
     """train()'s error e, if it is this rank running out of memory (--max-memory's or a real
-    one): OutOfMemory, one line naming the rank, where it was (zero.Progress) and the stage's
+    one): OutOfMemory, one line naming the rank, where it was (Progress) and the stage's
     formula. Any other error: nothing (train() raises it as it is)."""
     if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
             "can't allocate memory", "Cannot allocate memory", "bad_alloc")) or args.max_memory
@@ -143,8 +144,35 @@ def report_limit(res, args):
          + " (largest over the ranks)")
 
 
+@dataclasses.dataclass
+class Progress:
+    """Where this rank is (which block's forward or backward, which step), for out-of-memory."""
+    what: str = "building the model"
+    step: int = None
+
+    def note(self, what):
+        self.what = what
+
+    def block_forward(self, name):
+        self.note(f"the forward of {name}")
+
+    def track(self, model):
+        def backward_next(name, module, args, output):
+            if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(lambda g: self.note(f"the backward of {name}"))
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda m, a, n=f"blocks.{i}": self.block_forward(n))
+            block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
+
+    def used(self):  # bytes allocated above the runtime at the most (Watch): unknown
+        return -1
+
+    def per_block(self):  # what one more block adds (Watch): unknown
+        return 0
+
+
 class Watch(Progress):
-    """zero.Progress, and under --max-memory on CPU the data size (VmData: what RLIMIT_DATA
+    """Progress, and under --max-memory on CPU the data size (VmData: what RLIMIT_DATA
     counts) at each of its moments, from start() on (train() calls it as it sets the limit):
     the largest seen (data), and as each block's forward starts in the last forward (forward):
     from one block to the next it grows by what a block keeps for backward (per_block)."""

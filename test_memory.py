@@ -195,7 +195,7 @@ def test_out_of_memory_is_named_however_the_library_words_it(one_rank):
     # primitive": it could not allocate): out of memory, as torch's and glibc's words are; without
     # a limit that error is not presumed to be memory
     args = zero.training_parser("").parse_args(["--max-memory", "1MB"])
-    model, progress = torch.nn.Linear(2, 2), zero.Progress()
+    model, progress = torch.nn.Linear(2, 2), memory.Progress()
     for error in (RuntimeError("could not create a primitive"), MemoryError(),
                   RuntimeError("std::bad_alloc")):
         with pytest.raises(zero.OutOfMemory, match=r"^rank 0: out of memory in building the "):

@@ -1692,6 +1692,14 @@ def test_wrap_refuses_a_bad_option_in_one_line(option, says):
         zero.wrap(Net(seed=0), 1, torch.optim.SGD, **option)
 
 
+def test_a_unit_of_two_dtypes_is_refused_naming_them():
+    # one flat buffer a unit: one dtype and device; the line names a parameter of each
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(ValueError, match=r"^zero: the parameters of one unit must share dtype and "
+                       r"device: 1.weight is torch.float64 on cpu, 0.weight torch.float32 on cpu$"):
+        zero.wrap(model, 1, torch.optim.SGD, units=[])
+
+
 def test_run_ends_zero_own_errors_in_one_line(monkeypatch, capsys):
     # zero.py's own refusals (ValueError at wrap(), RuntimeError in use): one line, exit 2; any
     # other error is a bug and keeps its traceback

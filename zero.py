@@ -745,8 +745,12 @@ def make_units(zero, model, modules):
         raise ValueError("zero: the model has no trainable parameters")
     if zero.bucket_bytes:  # several units in one, or one in several
         groups = buckets(groups, zero.bucket_bytes)
-    if any((p.dtype, p.device) != (ps[0].dtype, ps[0].device) for _, ps in groups for p in ps):
-        raise ValueError("zero: the parameters of one unit must share dtype and device")
+    names = {p: n for n, p in model.named_parameters()}
+    for p, q in [(p, ps[0]) for _, ps in groups for p in ps if (p.dtype, p.device) != (
+            ps[0].dtype, ps[0].device)][:1]:  # (one flat buffer a unit)
+        raise ValueError(f"zero: the parameters of one unit must share dtype and device: "
+                         f"{names[p]} is {p.dtype} on {p.device}, {names[q]} {q.dtype} on "
+                         f"{q.device}")
     # Hybrid: a unit padded to a multiple of the world size (a checkpoint's parts), R per shard
     R = zero.world // zero.N
     units = [Unit(mods, params, zero.rank % zero.N, zero.N,
@@ -1526,33 +1530,6 @@ def zero_build(args):
     return build
 
 
-@dataclasses.dataclass
-class Progress:
-    """Where this rank is (which block's forward or backward, which step), for out-of-memory."""
-    what: str = "building the model"
-    step: int = None
-
-    def note(self, what):
-        self.what = what
-
-    def block_forward(self, name):
-        self.note(f"the forward of {name}")
-
-    def track(self, model):
-        def backward_next(name, module, args, output):
-            if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(lambda g: self.note(f"the backward of {name}"))
-        for i, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(lambda m, a, n=f"blocks.{i}": self.block_forward(n))
-            block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
-
-    def used(self):  # bytes allocated above the runtime at the most (memory.Watch): unknown
-        return -1
-
-    def per_block(self):  # what one more block adds (memory.Watch): unknown
-        return 0
-
-
 def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16, else fp32 AdamW
     return (2, 2, 12) if args.bf16 else (4, 4, 8)
 
@@ -1562,8 +1539,10 @@ def train(args, build=None, keep_params=False, quiet=False):
     optimizer, label) parallelizes the meta-device model (zero_build; fsdp_demo.py: PyTorch's)."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
     _memory().check_fits(args, world, device)  # a model this machine cannot hold: refused
-    # --max-memory on CPU: memory.Watch, which follows the data size too
-    progress = _memory().Watch() if args.max_memory and device.type == "cpu" else Progress()
+    # where the rank is, named if it runs out of memory (--max-memory on CPU: memory.Watch, which
+    # follows the data size too)
+    progress = (_memory().Watch if args.max_memory and device.type == "cpu" else
+                _memory().Progress)()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
         model = GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)
     ckpt = args.ckpt_dir and _checkpoints().ckpt_dir_lock(args.ckpt_dir, device)
