@@ -41,7 +41,8 @@ What the README claims of zero.py, and the tests that check it:
   depth, test_output_tensors_are_found_at_any_depth, test_stage3_hooks_a_unit_output_of_any_
   structure, test_stage3_refuses_values_read_outside_their_modules (a prefetch in flight too).
 - Only what steps as unsharded torch does: test_wrap_refuses_what_would_not_step_as_unsharded_
-  torch (groups, Adafactor...), test_wrap_refuses_a_bad_option_in_one_line.
+  torch (groups, Adafactor...), test_wrap_refuses_a_bad_option_in_one_line,
+  test_a_unit_of_two_dtypes_is_refused_naming_them.
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
