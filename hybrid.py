@@ -46,7 +46,8 @@ class Hybrid:
         # Never landed early, only where Part I waits: landing starts a blocking all-reduce
         # across groups, and every rank must start those at the same point of its program, or
         # two groups wait on each other for ever.
-        return _Pending([work], finish, early=False), mine
+        # (buffers: gloo's all-to-all receive buffer, which the Meter counts while in flight)
+        return _Pending([work], finish, getattr(work, "buffers", ()), early=False), mine
 
 
 def make_hybrid(zero):

@@ -213,6 +213,7 @@ class DataParallel:
         # in place. A new tensor (p.grad was None, or create_graph=True) is p's whole gradient.
         view = unit.view(unit.grad, p)
         if p.grad.data_ptr() != view.data_ptr():
+            self.meter.beside(p.grad)  # (measurement: autograd's new tensor, held until copied)
             if p in unit.hidden and p not in unit.received:  # unused in an earlier backward:
                 view.add_(p.grad.detach())  # its view holds what was reduced; add, as torch
             else:
@@ -1091,6 +1092,11 @@ class Meter:
         times = 2 if kind.startswith("all_reduce") else 1  # (a broadcast: (N-1)/N M, pipelined)
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
+    def beside(self, t):
+        """In the peak, not in what is held: a gradient beside the model state for a moment
+        (autograd's new p.grad, until _on_grad copies it into its unit's buffer)."""
+        self.zero.peak["grads"] = max(self.zero.peak["grads"], self.now["grads"] + _nbytes([t]))
+
     def breakdown(self):
         """Bytes of model state this rank holds now, allocated (not frozen parameters, buffers)."""
         held = sum((self.unit_bytes(u) for u in self.zero.units), Counter())
@@ -1678,8 +1684,9 @@ def report(res, args):
              + f"   {at_peak:>18}" * (kind != "total"))
     log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
          "full-unit\n   gradients of stages 2 and 3, with their all-to-all receive buffers on "
-         "gloo/CPU, and the\n   gathered units of stage 3" + (
-             "; in mixed precision, the fp32 copy of the gradients the\n   optimizer steps with)"
+         "gloo/CPU, autograd's\n   new gradient of a parameter until it is copied into its "
+         "unit, the gathered units of stage 3" + (
+             "; in\n   mixed precision, the fp32 copy of the gradients the optimizer steps with)"
              if args.bf16 else ")"))
     if ours and res["build_peak"]["params"] >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
