@@ -409,10 +409,12 @@ def calibrated_step(cal, stage, units, world, args):
 def measured_row(res, args):
     """What the table shows of one run: the numbers the report prints (the model state measured
     after the step, the bytes sent per step), the median step time and time spent waiting."""
-    steps = res["times"][1:] or res["times"]  # the first step warms up
-    t = statistics.median(steps)
+    times = res["times"]  # the first step warms up: left out, unless it is the only one
+    steps = sorted(range(len(times) > 1, len(times)), key=times.__getitem__)
+    i = steps[len(steps) // 2]  # the median step (the upper one of two), and its own waiting
+    t = times[i]
     return {"state": sum(res["mem"].values()), "sent": sum(res["comm"].values()), "step": t,
-            "waiting": statistics.median(res["waits"][1:] or res["waits"]),
+            "waiting": res["waits"][i],
             "tokens/s": res["world"] * args.batch_size * args.seq_len * args.grad_accum / t}
 
 
@@ -443,8 +445,9 @@ def tradeoff_table(args):
                  f"{got['step'] * 1e3:>8.1f} {got['waiting'] * 1e3:>8.1f} "
                  f"{got['tokens/s']:>9.0f} | {want['step'] * 1e3:>9.1f} "
                  f"{want['exposed'] * 1e3:>8.1f} {got['step'] / want['step']:>6.2f}")
-    fitted = "\n".join(f"  {k:<15} {a * 1e6:8.0f} µs + bytes / {1 / b / 1e9 if b else 0:.3g} "
-                       "GB/s" for k, (a, b) in cal["coll"].items())
+    fitted = "\n".join(f"  {k:<15} {a * 1e6:8.0f} µs + " + (f"bytes / {1 / b / 1e9:.3g} GB/s" if b
+                       else "no time per byte (the sweep's slope was not above 0)")
+                       for k, (a, b) in cal["coll"].items())
     log0("\nmodel state: bytes held per rank after the step; sent: bytes per rank per step; "
          "step ms: median step\n("
          + ("the first left out" if args.steps > 1 else "one step, with its warm-up")
