@@ -35,7 +35,7 @@ FSDP2's knobs and the zero.py code that does the same job:
   zero.py keeps the bf16 shard and an fp32 master beside it, as the ZeRO paper
   (arXiv:1910.02054) does.
 - Implicit prefetch (the next unit's all-gather issued while the current one computes) and
-  set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: ZeRO3._prefetch, in the
+  set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: zero.Prefetch, in the
   order recorded in the first forward (overlap=False / --no-overlap turns it off). FSDP2's
   reduce-scatter on its own stream, one in flight: ZeRO2._reduce_unit with async_op=True.
 - set_requires_gradient_sync(False) for micro-batches without communication: zero.py's stages 0
@@ -314,11 +314,24 @@ class Torch:
 # ----------------------------------------------------------------------------------------------
 # --compare: PyTorch's run, then zero.py's, in the same processes
 
+def report(res, args):
+    """zero.report() of a PyTorch run, and what its numbers mean beside zero.py's."""
+    zero.report(res, args)
+    if args.stage >= 2 and dist.get_backend() == "gloo":
+        zero.log0("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole "
+                  "input: on the wire\n   an all-reduce's bytes, twice the reduce_scatter's ring "
+                  "cost above)")
+    if args.stage >= 2 and args.bf16:
+        zero.log0("  (--bf16: FSDP2's parameters are its fp32 shards, the master copy, and its "
+                  "gradients fp32 shards:\n   params 4Ψ/N, grads 4Ψ/N, optimizer 8Ψ/N, 16Ψ/N in "
+                  "all as the formula's; the bf16 copy of\n   a unit lives while it computes)")
+
+
 def compare(args, keep_params=False):
     """PyTorch's run, then zero.py's in the same processes; returns both results."""
     _, world, _ = zero.setup(args.backend, args.device, args.timeout)
     theirs = zero.train(args, pytorch(args, world), keep_params)
-    zero.report(theirs, args)
+    report(theirs, args)
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
     seen = Counter()
 
@@ -357,8 +370,10 @@ def print_comparison(theirs, ours, args):
              "bytes sent per step", "median step time, ms", "cuda max_memory_allocated"]
     for name, a, b in zip(names, column(theirs), column(ours)):
         log(f"  {name:<34} {a:>14,.1f} {b:>14,.1f} {b / a if a else float('nan'):>18.3f}")
-    log(f"  (bytes sent: PyTorch's counted at the dispatcher, zero.py's by itself; the dispatcher "
-        f"saw {sum(ours['comm_seen'].values()):,.1f} for zero.py)")
+    log(f"  (bytes sent: the ring cost of the calls made, PyTorch's counted at the dispatcher,"
+        f"\n   zero.py's by itself, the dispatcher saw {sum(ours['comm_seen'].values()):,.1f} for "
+        "it" + ("; on gloo FSDP2's reduce-scatters\n   send twice their ring cost: its report)"
+                if args.stage >= 2 and dist.get_backend() == "gloo" else ")"))
     for name, res in (("PyTorch", theirs), ("zero.py", ours)) if ours["cuda_peak"] else ():
         log(f"  torch.cuda.max_memory_allocated per rank, {name}: "
             + ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
@@ -493,7 +508,7 @@ def main(argv=None):
         print_comparison(*compare(args, keep_params=True), args)
     else:
         _, world, _ = zero.setup(args.backend, args.device, args.timeout)
-        zero.report(zero.train(args, pytorch(args, world)), args)
+        report(zero.train(args, pytorch(args, world)), args)
 
 
 if __name__ == "__main__":
