@@ -12,7 +12,8 @@ What the README claims of zero.py, and the tests that check it:
   test_every_backward_may_reduce, test_unused_parameters_and_out_of_place_accumulation,
   test_buckets_merge_and_split_units_and_change_nothing_else,
   test_each_way_of_reducing_trains_the_same, test_mixed_precision_trains_close_to_fp32 (bf16:
-  close, not equal), test_clipping_really_clips (that those comparisons can fail),
+  close, not equal), test_mixed_precision_keeps_writes_between_steps,
+  test_clipping_really_clips (that those comparisons can fail),
   test_cli_every_stage_gives_the_same_losses (the demo GPT),
   test_a_model_of_torchs_own_layers_trains_like_the_reference (nn.TransformerEncoder).
 - Memory = formula: test_memory_matches_formula, test_mixed_precision_memory_matches_the_paper,
@@ -39,10 +40,12 @@ What the README claims of zero.py, and the tests that check it:
   test_reading_a_stage3_parameter_is_an_error_not_a_crash,
   test_stage3_gathers_what_each_module_computes_with, test_default_units_find_the_blocks_at_any_
   depth, test_output_tensors_are_found_at_any_depth, test_stage3_hooks_a_unit_output_of_any_
-  structure, test_stage3_refuses_values_read_outside_their_modules (a prefetch in flight too).
+  structure, test_stage3_refuses_values_read_outside_their_modules (a prefetch in flight too),
+  test_stage3_prefetches_the_unit_that_computes_next.
 - Only what steps as unsharded torch does: test_wrap_refuses_what_would_not_step_as_unsharded_
   torch (groups, Adafactor...), test_wrap_refuses_a_bad_option_in_one_line,
-  test_a_unit_of_two_dtypes_is_refused_naming_them.
+  test_a_unit_of_two_dtypes_is_refused_naming_them,
+  test_an_embedding_that_renormalizes_in_forward_is_refused.
 - Ranks that disagree fail on every rank before anything is applied:
   test_ranks_that_disagree_fail_fast, test_settings_that_change_communication_must_agree,
   test_ranks_that_reduce_different_units_stop_before_the_step,
@@ -1709,6 +1712,64 @@ def test_a_unit_of_two_dtypes_is_refused_naming_them():
     with pytest.raises(ValueError, match=r"^zero: the parameters of one unit must share dtype and "
                        r"device: 1.weight is torch.float64 on cpu, 0.weight torch.float32 on cpu$"):
         zero.wrap(model, 1, torch.optim.SGD, units=[])
+
+
+@pytest.mark.parametrize("stage", range(3))
+def test_mixed_precision_keeps_writes_between_steps(stage):
+    # a write to a bf16 parameter between steps (weight clipping, a re-init) reaches its fp32
+    # master before the step, as plain torch keeps it; elements not written keep their fp32
+    # values. (Stage 3 refuses such writes outside gathered(writeback=True).)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.0),
+                    param_dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.01, 0.01)
+    written = model[0].weight.detach().float()
+    changed = written != fp32["0.weight"].bfloat16().float()
+    assert 0 < changed.sum() < changed.numel()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()  # lr 0: the masters are what they were before it
+    full = opt.full_state_dict()
+    assert torch.equal(full["0.weight"], torch.where(changed, written, fp32["0.weight"]))
+    assert torch.equal(full["1.weight"], fp32["1.weight"])
+
+
+def test_stage3_prefetches_the_unit_that_computes_next():
+    # from the second forward on, the order of the first: as block i computes, unit i + 1 is
+    # being gathered already, and unit i - 1 freed (a hook order that shifted it by one would
+    # still train, with nothing prefetched)
+    class Scaled(nn.Module):  # a root unit (scale), gathered first, and three blocks
+        def __init__(self):
+            super().__init__()
+            self.scale, self.blocks = nn.Parameter(torch.ones(4)), nn.Sequential(
+                *[nn.Linear(4, 4) for _ in range(3)])
+
+        def forward(self, x):
+            return self.blocks(x * self.scale)
+    torch.manual_seed(0)
+    model, seen = Scaled(), []
+    opt = zero.wrap(model, 3, torch.optim.SGD)
+    for block in model.blocks:  # (registered after wrap(): they run once zero.py has gathered)
+        block.register_forward_pre_hook(lambda *_: seen.append([u.gathered for u in opt.units]))
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    T, F = True, False  # units: the three blocks, then the root
+    assert seen == [[T, F, F, T], [F, T, F, T], [F, F, T, T],
+                    [T, T, F, T], [F, T, T, T], [F, F, T, T]]
+
+
+def test_an_embedding_that_renormalizes_in_forward_is_refused():
+    # max_norm rewrites the rows each rank's forward looks up: the ranks' weights would part
+    # silently (measured: 1.5 apart at stage 0), so it is refused by name, frozen or not
+    for frozen in (False, True):
+        model = nn.Sequential(nn.Embedding(V, D, max_norm=1.0), nn.Linear(D, V))
+        model[0].requires_grad_(not frozen)
+        with pytest.raises(ValueError, match=r"^zero: 0 has max_norm: each rank's forward"):
+            zero.wrap(model, 0, torch.optim.SGD)
 
 
 def test_run_ends_zero_own_errors_in_one_line(monkeypatch, capsys):

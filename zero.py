@@ -336,8 +336,7 @@ class DataParallel:
             u.received = set() if set_to_none else u.received  # zeros are stepped, as by torch
         self._reduced = False
 
-    # The rest of the interface, not the algorithm: gathered(), memory_breakdown(), state_dict()
-    # and the like are added in Part II ("The rest of the interface")
+    # The rest of the interface (gathered(), memory_breakdown(), state_dict()...): Part II
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,6 +710,8 @@ def make_units(zero, model, modules):
     sparse = [(n, type(m).__name__) for name, m in model.named_modules()
               if getattr(m, "sparse", False) is True
               for n, p in m.named_parameters(prefix=name, recurse=False) if p.requires_grad]
+    renorm = [name or "the model" for name, m in model.named_modules()  # (frozen ones too)
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
     for bad, message in [
             (zero.buffers not in ("broadcast", "none"),
              f"buffers must be 'broadcast' or 'none', not {zero.buffers!r}"),
@@ -732,7 +733,9 @@ def make_units(zero, model, modules):
              "every unit must be a submodule of the model (not the model itself)"),
             (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]} with "
              "sparse=True): zero.py reduces dense gradients in flat buffers; build it with "
-             "sparse=False")]:
+             "sparse=False"),
+            (renorm, renorm and f"{renorm[0]} has max_norm: each rank's forward rewrites the rows "
+             "it looks up, in place, so the ranks' weights part; build it without max_norm")]:
         if bad:
             raise ValueError(f"zero: {message}")
     zero.unit_modules = modules  # a module holding only tied weights of other units stays listed
@@ -746,12 +749,11 @@ def make_units(zero, model, modules):
         raise ValueError("zero: the model has no trainable parameters")
     if zero.bucket_bytes:  # several units in one, or one in several
         groups = buckets(groups, zero.bucket_bytes)
-    names = {p: n for n, p in model.named_parameters()}
+    name = {p: n for n, p in model.named_parameters()}
     for p, q in [(p, ps[0]) for _, ps in groups for p in ps if (p.dtype, p.device) != (
             ps[0].dtype, ps[0].device)][:1]:  # (one flat buffer a unit)
         raise ValueError(f"zero: the parameters of one unit must share dtype and device: "
-                         f"{names[p]} is {p.dtype} on {p.device}, {names[q]} {q.dtype} on "
-                         f"{q.device}")
+                         f"{name[p]} is {p.dtype} on {p.device}, {name[q]} {q.dtype} on {q.device}")
     # Hybrid: a unit padded to a multiple of the world size (a checkpoint's parts), R per shard
     R = zero.world // zero.N
     units = [Unit(mods, params, zero.rank % zero.N, zero.N,
@@ -919,6 +921,8 @@ def optimizer_of_pieces(zero, make):
     if [set(map(id, g["params"])) for g in opt.param_groups] != [set(map(id, pieces))]:
         raise ValueError(f"zero: optimizer {type(opt).__name__} must step the parameters it is "
                          "given, in one group: each rank steps flat pieces of its shard")
+    if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
+        opt.register_step_pre_hook(functools.partial(keep_writes, weakref.ref(zero)))
     return opt
 
 
@@ -1029,6 +1033,17 @@ def cast(unit, dtype):
     return full
 
 
+def keep_writes(zero_ref, *_):
+    """Before each step, the masters take what was written to the parameters since the last one
+    (p.data.clamp_(), nn.init...: they differ from the masters rounded), or the step undoes it."""
+    zero = zero_ref()
+    for u in zero.units if zero is not None else []:
+        for lo in range(0, u.master.numel(), zero.piece):
+            new, master = u.shard[lo:lo + zero.piece], u.master[lo:lo + zero.piece]
+            changed = new != master.to(new.dtype)
+            master[changed] = new[changed].to(master.dtype)
+
+
 def after_step(zero):
     """Masters rounded into the compute copy; gradients let go (measured before: a transient)."""
     zero.meter.event("optimizer step")
@@ -1092,9 +1107,7 @@ class Meter:
         times = 2 if kind.startswith("all_reduce") else 1  # (a broadcast: (N-1)/N M, pipelined)
         z.comm[kind] += times * (n - 1) * full.numel() * full.element_size() / n
 
-    def beside(self, t):
-        """In the peak, not in what is held: a gradient beside the model state for a moment
-        (autograd's new p.grad, until _on_grad copies it into its unit's buffer)."""
+    def beside(self, t):  # in the peak, not in what is held: autograd's new p.grad till copied
         self.zero.peak["grads"] = max(self.zero.peak["grads"], self.now["grads"] + _nbytes([t]))
 
     def breakdown(self):
@@ -1200,8 +1213,10 @@ class ShardedParameter(nn.Parameter):
             if not u.gathered or u.prefetch is not None:  # (prefetched: its values on the way)
                 raise RuntimeError(
                     f"zero: {a._zero_name} is sharded at stage 3 and not gathered now: only while "
-                    "its module computes (a module computing with it belongs in its unit); read: "
-                    "opt.full_state_dict() on every rank; save: checkpoints.save_checkpoint()")
+                    "its module computes (a module computing with it belongs in its unit; a hook "
+                    "reading it: a forward pre-hook registered after wrap(), a forward hook before)"
+                    "; read: opt.full_state_dict() on every rank; save: "
+                    "checkpoints.save_checkpoint()")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
@@ -1609,8 +1624,7 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
             progress.note("the gradient reductions and norm")
             norm = opt.clip_grad_norm_(args.clip if args.clip > 0 else float("inf"))
         # Not finite (the global batch's loss: every rank decides the same): never applied or saved
-        work = dist.all_reduce(loss_sum, async_op=True)
-        meter.wait(work) if meter else work.wait()
+        dist.all_reduce(loss_sum)  # (not in the meter's waiting: the loop's, not ZeRO's)
         loss, norm = loss_sum.item() / world, norm.item()
         bad = " and ".join(f"the {name} is {value:g}" for name, value in (("loss", loss), (
             "gradient norm", norm)) if not abs(value) < float("inf"))  # (nan too)
@@ -1716,16 +1730,17 @@ def report(res, args):
         (stage == 3 and ours, "stage 3: the root unit stays gathered from forward into "
                               "backward, one all-gather fewer"),
         (gloo and DIRECT and not on_cuda,
-         f"gloo on CPU: reduce_scatter runs as an all_to_all + local sum (N reduces above "
-         f"{A2A_BYTES >> 20} MB),\n   all_gather as N broadcasts: the same bytes per rank, in "
+         f"gloo on CPU: reduce_scatter runs as an all_to_all + local sum (above {A2A_BYTES >> 20} "
+         "MB: N reduces,\n   which send more), all_gather as N broadcasts: a ring's bytes, in "
          "less time; see\n   reduce_scatter() in zero.py"),
         (gloo and on_cuda, "gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of "
                            "the whole input,\n   through host memory: on the wire an all-reduce's "
                            "bytes, twice a ring reduce-scatter's,\n   and on the GPU one more "
                            "full-unit gradient per reduction in flight, not in 'peak'"),
         (ours and comm.get("all_reduce") and world > 1,
-         "all_reduce" + (" includes " if stage == 0 else ": ") + "16 bytes a step that check "
-         "ranks agree (check_steps)" + ",\n   and the sum of squares for " * (stage >= 1) + (
+         "all_reduce" + (" includes " if stage == 0 else ": ") + "a 16-byte all-reduce a step "
+         "that checks ranks agree (check_steps)" + ",\n   and the sum of squares for "
+         * (stage >= 1) + (
              ("clipping by the global gradient norm" if args.clip > 0 else
               "the global gradient norm, checked finite") if stage >= 1 else ""))]
     for shown, note in notes:
@@ -1738,7 +1753,7 @@ def report(res, args):
         t, w = res["times"][i] * 1e3, res["waits"][i] * 1e3
         log0(f"step {res['first'] + i}, {t:.1f} ms: {w:.1f} ms waiting on collectives (the "
              f"communication overlap did not hide,\n  timed in their wait()) + {t - w:.1f} ms "
-             "the rest (compute, the optimizer step, Python)")
+             "the rest (compute, optimizer, Python, the loss's all-reduce)")
     if on_cuda:
         log0("torch.cuda.max_memory_allocated per rank: " +
              ", ".join(f"{b / 1e6:.1f} MB" for b in res["cuda_peak"]))
