@@ -198,6 +198,9 @@ def test_fsdp_demo_compare_end_to_end(ran, shared):
     assert "zero.py vs PyTorch, stage 3" in out and "largest parameter difference" in out
     diff = float(re.search(r"largest loss difference (\S+)", out).group(1))
     assert diff <= 1e-5
+    # what FSDP2's bytes mean on gloo, said under its report and beside the comparison's bytes
+    assert "its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole input" in out
+    assert "on gloo FSDP2's reduce-scatters\n   send twice their ring cost" in out
     # and from a pretrained file (N = 2): the same losses on both sides, not those of fresh weights
     loaded = ran(fsdp_scenarios, 2)[0]["--init-from"]
     assert float(re.search(r"largest loss difference (\S+)", loaded).group(1)) <= 1e-5
@@ -221,6 +224,7 @@ def test_fsdp_demo_compare_end_to_end(ran, shared):
 def test_fsdp_demo_bf16(ran):
     out = ran(fsdp_scenarios, 4)[0]["--bf16"]
     assert "bfloat16 compute" in out and len(losses(out)) == 3
+    assert "--bf16: FSDP2's parameters are its fp32 shards" in out  # why its rows are not 2Ψ/N
 
 
 def test_fsdp_demo_bad_input(ran, refused, monkeypatch):

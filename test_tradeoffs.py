@@ -15,7 +15,8 @@ What the README claims, and the tests that check it:
   (test_cluster_bad_input_is_one_line).
 - --tradeoffs: its memory and bytes are the report's: test_tradeoff_table_is_the_reports (a
   4-rank launch shared with test_zero.py's command-line runs); of one step, its median says so
-  (test_a_one_step_table_says_its_median_holds_the_warm_up).
+  (test_a_one_step_table_says_its_median_holds_the_warm_up), and its waiting is that step's
+  (test_the_tables_waiting_is_the_median_steps_own).
 """
 import re
 
@@ -187,3 +188,13 @@ def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):
     # the median leaves the first step out, unless it is the only one
     out = main_printed(zero.main, ["--tradeoffs", "--steps", "1", *MODEL])
     assert "median step\n(one step, with its warm-up)" in out and "left out" not in out
+
+
+def test_the_tables_waiting_is_the_median_steps_own():
+    # the step time is the median step's (the first left out), and its waiting is that step's,
+    # as the legend's "waiting: of it" says, not a median of the waits taken apart
+    args = zero.training_parser("").parse_args([])
+    res = {"times": [9.0, 1.0, 3.0, 2.0], "waits": [0.5, 0.3, 0.4, 0.1], "mem": {"params": 1},
+           "comm": {"all_reduce": 2.0}, "world": 1}
+    row = tradeoffs.measured_row(res, args)
+    assert (row["step"], row["waiting"]) == (2.0, 0.1)
