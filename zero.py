@@ -1712,10 +1712,10 @@ def report(res, args):
     expected, comm, across = comm_formula(stage, psi, world, pb, 4, k, G), res["comm"], \
         "all_reduce across groups"
     ring = f"Ψ({n}-1)/{n}" if stage else "Ψ(N-1)/N"
-    names = {"all_reduce": f"2{ring}" if stage == 0 else "-",
-             "reduce_scatter": f"{k}·{ring}" if stage >= 2 else ring,
-             "all_gather": f"{2 * k}·{ring}" if stage == 3 else ring,
-             across: f"{1 if stage == 1 else k}·2Ψ/G (R-1)/R", "total": ""}
+    names = {"all_reduce": f"8{ring}" if stage == 0 else "-",  # in bytes, as memory's column
+             "reduce_scatter": f"{k}·4{ring}" if stage >= 2 else f"4{ring}",
+             "all_gather": f"{2 * k}·{pb}{ring}" if stage == 3 else f"{pb}{ring}",
+             across: f"{1 if stage == 1 else k}·8Ψ/G (R-1)/R", "total": ""}
     for kind in [*sorted(set(comm) | set(expected)), "total"]:
         got, want = (sum(d.values()) if kind == "total" else d.get(kind, 0)
                      for d in (comm, expected))
