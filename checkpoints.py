@@ -814,6 +814,7 @@ def _own_storage(t):
 # DCP writes in place, so a save goes into step_00000010.partial, then complete.json, then one
 # rename: a directory without complete.json is torn (a save killed midway) and is never chosen.
 # DCP's .metadata is a pickle, unlike zero.py's parts: load DCP checkpoints that you trust.
+# DCP keeps no hash of its files: a truncated file is found (read_dcp), a changed byte is not.
 
 DCP_FORMAT = "zero.py DCP checkpoint, version 1"
 DCP_MARKER = "complete.json"
@@ -978,6 +979,9 @@ def resume(opt, args, world, device, log):
         return 1, None
     # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
     manifest = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))(found)
+    if manifest["extra"].get("n_head", args.n_head) != args.n_head:  # (no shape shows it)
+        raise UsageError(f"{found}: written with --n-head {manifest['extra']['n_head']}, not "
+                         f"{args.n_head}: the same weights would be another model")
     loaded_lr = opt.optimizer.param_groups[0]["lr"]
     for group in opt.optimizer.param_groups:
         group["lr"] = args.lr
@@ -999,7 +1003,7 @@ def save(opt, args, step, world):
     """zero.train's checkpoint after a step in --ckpt-dir (fsdp_demo.py's optimizer saves its
     own, DCP). Returns the directory written."""
     getattr(opt, "save_checkpoint", functools.partial(save_checkpoint, opt))(
-        args.ckpt_dir, step, extra={"data": data_position(args, world)})
+        args.ckpt_dir, step, extra={"data": data_position(args, world), "n_head": args.n_head})
     return os.path.join(args.ckpt_dir, f"step_{step:08d}")
 
 
@@ -1016,6 +1020,8 @@ def read_state_dict(path):
     if os.path.isdir(path):
         raise UsageError(f"--init-from {path}: a directory; it takes a .pt or .safetensors file "
                          "(dcp_to_torch_save makes a .pt of a DCP directory)")
+    if os.path.exists(path) and not os.path.isfile(path):  # (a FIFO: reading could wait for ever)
+        raise UsageError(f"--init-from {path}: not a regular file")
     try:  # (torch.load reads safetensors files too, but only from torch 2.12)
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file

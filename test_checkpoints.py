@@ -541,7 +541,10 @@ def checkpoint_error_cases(tmp):
             (["--consolidate", ckpt, "--out", plain + ".out"], "name a .pt or .safetensors file"),
             (["--consolidate", ckpt, "--out", plain + "/"], "ends in /"),  # (plain.pt is a file)
             (["--consolidate", ckpt, "--out", "/proc/m.dcp"], "cannot write in /proc"),  # (root)
-            (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb")]
+            (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb"),
+            # the same shapes, another model: recorded beside the data position, and refused
+            (["--n-head", "2", "--ckpt-dir", ckpt], "written with --n-head 4, not 2"),
+            (["--init-from", os.path.join(tmp, "fifo")], "not a regular file")]  # (no wait)
 
 
 @scenario(2, reads=straight)
@@ -551,6 +554,7 @@ def cli_errors(rank, world):
     if rank == 0:
         torch.save({"x": torch.zeros(2)}, os.path.join(tmp, "plain.pt"))
         os.makedirs(os.path.join(tmp, "empty"), exist_ok=True)
+        os.mkfifo(os.path.join(tmp, "fifo"))
     dist.barrier()
     return [main_refused(zero.main, [*CKPT, "--steps", "2", *args])
             for args, _ in checkpoint_error_cases(tmp)]

@@ -12,13 +12,18 @@ What the README claims, and the tests that check it:
   (test_cluster_estimate_memory_is_the_formulas), it names what fits and what binds
   (test_cluster_estimate_names_what_fits_and_binds), hybrid sharding over slow links
   (test_hybrid_sharding_wins_stage_3_back_over_slow_links), bad input is one line
-  (test_cluster_bad_input_is_one_line).
+  (test_cluster_bad_input_is_one_line), of any context length
+  (test_an_estimate_takes_any_context_length).
 - --tradeoffs: its memory and bytes are the report's: test_tradeoff_table_is_the_reports (a
   4-rank launch shared with test_zero.py's command-line runs); of one step, its median says so
   (test_a_one_step_table_says_its_median_holds_the_warm_up), and its waiting is that step's
-  (test_the_tables_waiting_is_the_median_steps_own).
+  (test_the_tables_waiting_is_the_median_steps_own). Run as a script, it says where its commands
+  are: test_run_as_a_script_it_says_where_its_commands_are.
 """
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -198,3 +203,17 @@ def test_the_tables_waiting_is_the_median_steps_own():
            "comm": {"all_reduce": 2.0}, "world": 1}
     row = tradeoffs.measured_row(res, args)
     assert (row["step"], row["waiting"]) == (2.0, 0.1)
+
+
+def test_an_estimate_takes_any_context_length():
+    # --estimate reads no data: a sequence longer than the demo's corpus is an estimate's to make
+    long = main_printed(zero.main, SEVEN_B + ["--cluster", "", "--seq-len", "262144"])
+    short = main_printed(zero.main, SEVEN_B + ["--cluster", ""])
+    assert rows(long) and [r[4] for r in rows(long)] != [r[4] for r in rows(short)]
+
+
+def test_run_as_a_script_it_says_where_its_commands_are():
+    done = subprocess.run([sys.executable, "tradeoffs.py"], cwd=os.path.dirname(__file__),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert "python zero.py --tradeoffs" in done.stderr

@@ -460,3 +460,8 @@ def tradeoff_table(args):
          f"On CPU compute and communication share the cores, which the\nmodel does not know: "
          f"overlap hides less than it predicts.")
     return rows
+
+
+if __name__ == "__main__":  # (its commands are zero.py's flags)
+    raise SystemExit("tradeoffs.py: run it through zero.py: python zero.py --tradeoffs, or "
+                     "python zero.py --estimate --params P --world-size N --cluster")

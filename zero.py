@@ -70,7 +70,8 @@ if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `
 
 # ===================================== PART I: THE ALGORITHM ==================================
 # N ranks (torchrun starts them, wrap() joins them into one process group: setup), Ψ trainable
-# parameters. Every rank runs the same code on its own rows of the global batch.
+# parameters. Every rank runs the same code on its equal share of the rows of the global batch:
+# the loss a mean over rows, the mean of the N ranks' gradients is the global batch's gradient.
 
 # ----------------------------------------------------------------------------------------------
 # The sharded layout. A Unit is a group of parameters communicated as one tensor, like FSDP's
@@ -105,7 +106,7 @@ class Unit:
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
         self.grad = None              # [N*S] the gradient buffer (stage 1, once reduced: its
                                       # [S] slice holds the sum, the rest zeros)
-        self.grad_shard = None        # the gradient of the elements stepped: summed, then / N
+        self.grad_shard = None        # the gradient of the elements stepped: summed, / N
         self.step_grad = None         # ... in the master's dtype, during step() only
         # What backward has done with it so far:
         self.arrived = 0              # its parameters given a gradient in this backward
@@ -128,7 +129,7 @@ class Unit:
 # The two collectives ZeRO is made of. An all-reduce is one then the other: reduce-scatter
 # (rank r receives the sum over ranks of slice r) then all-gather (every rank receives every
 # rank's slice). NCCL runs both as rings: each rank sends (N-1)/N of the buffer, no extra memory.
-# (torch 2.13 names them *_single too; these names are every torch's since 2.6.)
+# (every torch's names since 2.6; torch 2.13 prefers *_single and warns: Part II silences it)
 
 def reduce_scatter(out, x, async_op=False, group=None):
     """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
@@ -157,7 +158,7 @@ class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
     averaged with all_reduce before the step. Memory 16Ψ per rank; communication 2Ψ (N-1)/N.
     DDP's job, done DDP's way: a unit's all-reduce is launched as soon as backward has produced
-    its last gradient (overlap=True), and the end of backward waits for what is in flight."""
+    its last gradient (overlap=True, the default), and the end of backward waits for it."""
 
     stage = 0
     keeps_full_grads = True  # the full [N*S] gradient buffer lives from step to step
@@ -182,7 +183,7 @@ class DataParallel:
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
         # The optimizer steps this rank's masters cut into flat pieces (small for the cache, speed
-        # 3; one per unit would step the same), views back to back: u.pieces; u.owners[i], the
+        # 3; one per unit would step the same), views of u.master: u.pieces; u.owners[i], the
         # parameters piece i holds. Exact for element-wise optimizers (SGD, Adam, AdamW...): each
         # element's update depends on its own gradient and state only. NOT for those that look at
         # whole tensors (LAMB, Adafactor: a piece may hold slices), nor groups: torch's refused.
@@ -243,7 +244,7 @@ class DataParallel:
 
     def _reduce_unit(self, unit):
         count_unused(self, unit)  # stages 0, 1: a parameter without a gradient counts as zeros
-        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)  # fp32 copy
+        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)  # (a copy)
         unit.unreduced = False
         work, result = self._reduce(unit, g)  # launched: it runs while backward goes on
         self.in_flight.append((work, unit, result))
@@ -1743,9 +1744,8 @@ def report(res, args):
          * (stage >= 1) + (
              ("clipping by the global gradient norm" if args.clip > 0 else
               "the global gradient norm, checked finite") if stage >= 1 else ""))]
-    for shown, note in notes:
-        if shown:
-            log0(f"  ({note})")
+    for note in [note for shown, note in notes if shown]:
+        log0(f"  ({note})")
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
     if res["waits"]:  # one step's split: the one at the middle of the sorted times
@@ -1877,7 +1877,7 @@ def check_args(args):
             raise UsageError(message)
     for flag in [k for k, v in vars(args).items() if v == "" and k != "cluster"]:  # (--cluster
         raise UsageError(f"--{flag.replace('_', '-')} '': an empty name")       # '': defaults)
-    if args.seq_len > size - 2:  # a row is seq_len + 1 bytes
+    if args.seq_len > size - 2 and not vars(args).get("estimate"):  # a row: seq_len + 1 bytes
         raise UsageError(f"--data {args.data} has {size} bytes: too few for a row" if size < 3
                          else f"--seq-len {args.seq_len} is longer than the data allows: at "
                          f"most {size - 2} ({args.data or 'corpus()'} has {size} bytes)")
