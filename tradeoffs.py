@@ -457,8 +457,8 @@ def tradeoff_table(args):
          f"here, each collective a line through a sweep:\n{fitted}\n  forward + backward "
          f"{cal['compute'] * 1e3:.1f} ms a micro-batch; the optimizer "
          f"{cal['optimizer_per_element'] * 1e9:.2f} ns an element\nratio: measured / predicted. "
-         f"On CPU compute and communication share the cores, which the\nmodel does not know: "
-         f"overlap hides less than it predicts.")
+         f"On CPU compute and communication share the cores, which the\nmodel does not know, and "
+         f"the sweep moves from run to run: read the ratios as rough.")
     return rows
 
 
