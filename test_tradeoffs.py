@@ -145,8 +145,8 @@ def test_cluster_bad_input_is_one_line():
                           (["--cluster", "gpus_per_node=3"], "does not divide --world-size 16"),
                           # (1e24: a million layers, one by one; it ran for minutes)
                           (["--params", "1e24", "--cluster", ""],
-                           "from 1 to 1e+15 parameters with --cluster"),
-                          (["--params", "0.5"], "from 1")]:
+                           "at most 1e+15 parameters with --cluster"),
+                          (["--params", "0.5"], "--params 0.5: at least 1 parameter")]:
         error, _ = main_refused(zero.main, SEVEN_B + argv)
         assert error and message in error and "\n" not in error, (argv, error)
     error, _ = main_refused(zero.main, ["--cluster", ""])

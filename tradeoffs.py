@@ -61,8 +61,8 @@ def command(args, argv):
     if args.ckpt_dir:
         raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
     if args.params < 1 or args.cluster is not None and args.params > PARAMS_MAX:
-        raise UsageError(f"--params {args.params:g}: from 1 to {PARAMS_MAX:g} parameters"
-                         + " with --cluster" * (args.params >= 1))
+        raise UsageError(f"--params {args.params:g}: " + ("at least 1 parameter" if args.params < 1
+                         else f"at most {PARAMS_MAX:g} parameters with --cluster"))
     names = [a.split("=")[0] for a in argv]
     given = {flag for flag in ("--stage", "--n-layer", "--d-model", "--seq-len", "--batch-size")
              if any(len(n) > 2 and flag.startswith(n) for n in names)}  # (or abbreviated)
