@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from memory import _si
 from zero import GPT, PIECE, STAGE_NAMES, UsageError, adamw, all_gather, comm_formula, log0, \
-    memory_formula, reduce_scatter, setup, train
+    median_step, memory_formula, reduce_scatter, setup, train
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,8 +410,7 @@ def measured_row(res, args):
     """What the table shows of one run: the numbers the report prints (the model state measured
     after the step, the bytes sent per step), the median step time and time spent waiting."""
     times = res["times"]  # the first step warms up: left out, unless it is the only one
-    steps = sorted(range(len(times) > 1, len(times)), key=times.__getitem__)
-    i = steps[len(steps) // 2]  # the median step (the upper one of two), and its own waiting
+    i = median_step(times, first=int(len(times) > 1))  # the median step, and its own waiting
     t = times[i]
     return {"state": sum(res["mem"].values()), "sent": sum(res["comm"].values()), "step": t,
             "waiting": res["waits"][i],

@@ -923,7 +923,7 @@ def optimizer_of_pieces(zero, make):
         raise ValueError(f"zero: optimizer {type(opt).__name__} must step the parameters it is "
                          "given, in one group: each rank steps flat pieces of its shard")
     if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
-        opt.register_step_pre_hook(functools.partial(keep_writes, weakref.ref(zero)))
+        opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
     return opt
 
 
@@ -1034,11 +1034,10 @@ def cast(unit, dtype):
     return full
 
 
-def keep_writes(zero_ref, *_):
-    """Before each step, the masters take what was written to the parameters since the last one
-    (p.data.clamp_(), nn.init...: they differ from the masters rounded), or the step undoes it."""
-    zero = zero_ref()
-    for u in zero.units if zero is not None else []:
+def keep_writes(zero, *_, units=None):
+    """The masters take the elements written to the parameters (p.data.clamp_(), nn.init, in
+    gathered(writeback=True)): those unlike their masters rounded. Before each step, stages 0-2."""
+    for u in zero.units if units is None else units:
         for lo in range(0, u.master.numel(), zero.piece):
             new, master = u.shard[lo:lo + zero.piece], u.master[lo:lo + zero.piece]
             changed = new != master.to(new.dtype)
@@ -1372,8 +1371,6 @@ def gathered(zero, modules=None, writeback=False):
     for u in units if zero.stage == 3 else []:
         zero._gather(u)
         u.users += 1  # not freed by a forward inside the block
-    # This rank's stepped elements as they were: only the fp32 master of one written changes
-    before = [u.flat[u.stepped].clone() for u in units if writeback and zero.mixed_precision]
     try:
         yield
         for u in units if writeback else []:
@@ -1381,10 +1378,8 @@ def gathered(zero, modules=None, writeback=False):
             zero.meter.sent("broadcast", u.flat)
             if zero.stage == 3:
                 u.shard.copy_(u.flat[u.my_slice])  # the shard lives in storage of its own
-            if zero.mixed_precision:
-                new = u.flat[u.stepped]
-                changed = new != before.pop(0)
-                u.master[changed] = new[changed].to(u.master.dtype)
+        if writeback and zero.mixed_precision:  # only the fp32 master of an element written
+            keep_writes(zero, units=units)
         for p in [p for p in wanted if writeback and not hasattr(p, "_zero_unit")]:  # frozen
             dist.broadcast(p.data, src=0)
     finally:
@@ -1680,6 +1675,11 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     return res
 
 
+def median_step(times, first=0):
+    """The index of the median of times[first:] (the upper one of two): one step, whole."""
+    return sorted(range(first, len(times)), key=times.__getitem__)[(len(times) - first) // 2]
+
+
 def report(res, args):
     psi, stage, world, k = res["psi"], res["stage"], res["world"], args.grad_accum
     G = args.shard_size or world  # hybrid sharding: what is sharded is 1/G
@@ -1749,7 +1749,7 @@ def report(res, args):
     log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
     if res["waits"]:  # one step's split: the one at the middle of the sorted times
-        i = sorted(range(len(res["times"])), key=res["times"].__getitem__)[len(res["times"]) // 2]
+        i = median_step(res["times"])
         t, w = res["times"][i] * 1e3, res["waits"][i] * 1e3
         log0(f"step {res['first'] + i}, {t:.1f} ms: {w:.1f} ms waiting on collectives (the "
              f"communication overlap did not hide,\n  timed in their wait()) + {t - w:.1f} ms "
