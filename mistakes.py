@@ -115,9 +115,9 @@ def rows(rank):
     return slice(rank * ROWS, (rank + 1) * ROWS)
 
 
-def loss_of(model, x, y, reduction="mean"):  # over the tokens given (targets -100 do not count)
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100,
-                           reduction=reduction)
+def loss_of(model, x, y, reduction="mean"):  # over the tokens given (targets -100 do not count:
+    # cross_entropy's default ignore_index)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction=reduction)
 
 
 def rank_mean(model, x, y):  # the loss of the loop: the mean over this rank's rows of the batch
