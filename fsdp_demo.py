@@ -174,10 +174,8 @@ class CommCounter(TorchDispatchMode):
     dispatch (a mode is switched off there), which here is only the few bytes of
     clip_grad_norm_'s norm over FSDP2's sharded gradients."""
 
-    # (op name, kind, ring cost x)
-    KINDS = [("allreduce", "all_reduce", 2), ("broadcast", "broadcast", 1),
-             ("allgather", "all_gather", 1), ("reducescatter", "reduce_scatter", 1),
-             ("reduce", "reduce", 1), ("alltoall", "all_to_all", 1)]
+    # each kind's op: its name without the underscores (c10d.allreduce_: all_reduce)
+    KINDS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "all_to_all"]
 
     def __init__(self, comm):
         super().__init__()
@@ -186,14 +184,15 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first
         # and reduce-scatter's input second; the op's ProcessGroup argument is the ring
-        name = func.overloadpacket.__name__.replace("_", "")
-        kinds = [k for k in self.KINDS if name.startswith(k[0])] if func.namespace == "c10d" else []
-        for key, kind, times in kinds[:1]:  # the first: "reducescatter" is matched before "reduce"
-            data = args[1] if key == "reducescatter" else args[0]
+        name = func.overloadpacket.__name__.replace("_", "") if func.namespace == "c10d" else ""
+        # the first: "reducescatter" is matched before "reduce"
+        for kind in [k for k in self.KINDS if name.startswith(k.replace("_", ""))][:1]:
+            data = args[1] if kind == "reduce_scatter" else args[0]
             full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
             group = next(a for a in args if isinstance(a, torch.ScriptObject)
                          and a._type().name() == "ProcessGroup")
             ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(group))
+            times = 2 if kind == "all_reduce" else 1  # the ring's cost: all-reduce 2(N-1)/N M
             if kind == "all_reduce" and len(ranks) > 1 and ranks[1] - ranks[0] > 1:
                 kind = "all_reduce across groups"  # hybrid: ranks G apart, one per group
             self.comm[kind] += times * (len(ranks) - 1) * full / len(ranks)
