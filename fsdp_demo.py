@@ -157,8 +157,8 @@ def pytorch(args, world, count_steps=math.inf):
     def build(model, device):
         net, optimizer = parallelize(model, args, device)
         opt = Torch(model, optimizer, world, count_steps, net)
-        opt.written = {"stage": args.stage, "world_size": world,
-                       "shard_size": args.shard_size or world}  # what complete.json records
+        # what complete.json records
+        opt.written = dict(stage=args.stage, world_size=world, shard_size=args.shard_size or world)
         return net, opt, f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
     return build
 
