@@ -418,8 +418,8 @@ def bench(args):
                                       "bucket_mb": 25 if stage < 2 else args.bucket_mb})
             runs = {"PyTorch": [], "zero.py": []}
             for _ in range(args.repeats):
-                for who, build in (("PyTorch", pytorch(a, world, count_steps=1)),
-                                   ("zero.py", None)):
+                # PyTorch's build, then zero.py's (None: zero.train's own, zero_build)
+                for who, build in zip(runs, [pytorch(a, world, count_steps=1), None]):
                     runs[who].append(zero.train(a, build, quiet=True))
                     gc.collect()
             ms = {who: statistics.median(t for r in rs for t in r["times"][1:]) * 1e3
