@@ -96,7 +96,7 @@ NO_CPU_FSDP2 = None if torch.__version__ >= "2.9" else \
 
 def parallelize(model, args, device):
     """PyTorch's counterpart of zero.py's stage args.stage, for a model built on the meta device:
-    returns (model to call, optimizer)."""
+    returns (model to call, optimizer, the replicate group of hybrid sharding or None)."""
     if args.stage < 2:  # DDP needs the whole model on every rank: allocate and initialize it
         materialize(model, args, device)
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets, not beside them
@@ -104,7 +104,7 @@ def parallelize(model, args, device):
         # zero.ZeRO1: zero.py's AdamW (zero.adamw) in each owner rank's ZeroRedundancyOptimizer;
         # zero.DataParallel: the same AdamW on every rank
         return net, (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=zero.adamw(args))
-                     if args.stage == 1 else zero.adamw(args)(model.parameters()))
+                     if args.stage == 1 else zero.adamw(args)(model.parameters())), None
 
     # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root,
     # on the meta device: fully_shard only records shapes there, and to_empty() (materialize)
@@ -114,12 +114,14 @@ def parallelize(model, args, device):
     # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
     # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
     G, world = args.shard_size, dist.get_world_size()
+    if G and world % G:  # (init_device_mesh would fail on some ranks only, with a traceback)
+        raise zero.UsageError(f"--shard-size {G} must divide the world size {world}")
     mesh = (init_device_mesh(device.type, (world // G, G), mesh_dim_names=("replicate", "shard"))
             if G and G < world else None)
     for module in [*model.blocks, model]:
         fully_shard(module, mesh=mesh, reshard_after_forward=args.stage == 3, mp_policy=mp_policy)
     materialize(model, args, device)
-    return model, zero.adamw(args)(model.parameters())
+    return model, zero.adamw(args)(model.parameters()), mesh and mesh.get_group("replicate")
 
 
 def materialize(model, args, device):
@@ -155,8 +157,8 @@ def materialize(model, args, device):
 def pytorch(args, world, count_steps=math.inf):
     """build() for zero.train: parallelize the model with PyTorch's counterpart of args.stage."""
     def build(model, device):
-        net, optimizer = parallelize(model, args, device)
-        opt = Torch(model, optimizer, world, count_steps, net)
+        net, optimizer, across = parallelize(model, args, device)
+        opt = Torch(model, optimizer, world, count_steps, net, across)
         # what complete.json records
         opt.written = dict(stage=args.stage, world_size=world, shard_size=args.shard_size or world)
         return net, opt, f"PyTorch {PYTORCH_NAMES[args.stage]} (zero.py stage {args.stage})"
@@ -177,9 +179,9 @@ class CommCounter(TorchDispatchMode):
     # each kind's op: its name without the underscores (c10d.allreduce_: all_reduce)
     KINDS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "all_to_all"]
 
-    def __init__(self, comm):
+    def __init__(self, comm, across=None):
         super().__init__()
-        self.comm = comm
+        self.comm, self.across = comm, across  # hybrid sharding's replicate group (else None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # c10d.allreduce_, c10d._allgather_base_, ...: in place, all-gather's output comes first
@@ -191,10 +193,11 @@ class CommCounter(TorchDispatchMode):
             full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
             group = next(a for a in args if isinstance(a, torch.ScriptObject)
                          and a._type().name() == "ProcessGroup")
-            ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(group))
+            group = dist.ProcessGroup.unbox(group)
+            ranks = dist.get_process_group_ranks(group)
             times = 2 if kind == "all_reduce" else 1  # the ring's cost: all-reduce 2(N-1)/N M
-            if kind == "all_reduce" and len(ranks) > 1 and ranks[1] - ranks[0] > 1:
-                kind = "all_reduce across groups"  # hybrid: ranks G apart, one per group
+            if kind == "all_reduce" and group is self.across:  # (G = 1: every rank's group)
+                kind = "all_reduce across groups"
             self.comm[kind] += times * (len(ranks) - 1) * full / len(ranks)
         return func(*args, **(kwargs or {}))
 
@@ -210,8 +213,8 @@ class Torch:
     """A PyTorch model and optimizer behind the interface zero.train measures (step, zero_grad,
     clip_grad_norm_, memory_breakdown, full_state_dict, comm): the same measurements for both."""
 
-    def __init__(self, model, optimizer, world, count_steps=math.inf, net=None):
-        self.model, self.optimizer, self.world = model, optimizer, world
+    def __init__(self, model, optimizer, world, count_steps=math.inf, net=None, across=None):
+        self.model, self.optimizer, self.world, self.across = model, optimizer, world, across
         self.step, self.zero_grad = optimizer.step, optimizer.zero_grad  # torch's own
         # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2, 3
         self.no_sync = net.no_sync if isinstance(net, DDP) else contextlib.nullcontext
@@ -225,7 +228,8 @@ class Torch:
 
     def counting(self):
         self.count_steps -= 1
-        return CommCounter(self.comm) if self.count_steps >= 0 else contextlib.nullcontext()
+        return CommCounter(self.comm, self.across) if self.count_steps >= 0 else \
+            contextlib.nullcontext()
 
     def clip_grad_norm_(self, max_norm):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -338,7 +342,7 @@ def compare(args, keep_params=False):
         # build() for zero.train: zero.py's own stage, also counted at the dispatcher into
         # `seen`, as a check that both counters agree
         model, opt, label = zero.zero_build(args)(model, device)
-        opt.counting = lambda: CommCounter(seen)
+        opt.counting = lambda: CommCounter(seen, getattr(opt, "replica_group", None))
         return model, opt, label
     ours = zero.train(args, counted, keep_params)
     zero.report(ours, args)

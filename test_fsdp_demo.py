@@ -91,7 +91,10 @@ BAD_FSDP = {("--stage", "5"): "--stage",
             ("--stage", "1", "--bf16"): "--bf16 is FSDP2's MixedPrecisionPolicy: stages 2 and 3 "
                                         "only",
             ("--compare", "--bench"): "--bench and --compare: choose one",
-            ("--repeats", "5"): "--repeats is for --bench"}
+            ("--repeats", "5"): "--repeats is for --bench",
+            # HSDP's mesh needs G to divide N: refused on every rank, not a traceback on some
+            **({} if OLD else {("--stage", "3", "--shard-size", "3", *MODEL):
+                               "--shard-size 3 must divide the world size 2"})}
 
 
 @fsdp2_scenario(2)
@@ -251,7 +254,11 @@ def hybrid_pytorch(rank, world):
     import fsdp_demo
     args = zero.training_parser("").parse_args(SMALL + ["--stage", "3", "--shard-size", "2"])
     theirs, ours = fsdp_demo.compare(args, keep_params=True)
-    return {"theirs": theirs, "ours": ours}
+    # G = 1: HSDP's replicate group is every rank (the default group, in PyTorch's mesh)
+    args.shard_size, args.steps = 1, 1
+    with contextlib.redirect_stdout(io.StringIO()):
+        one = zero.train(args, fsdp_demo.pytorch(args, world), quiet=True)
+    return {"theirs": theirs, "ours": ours, "one": one["comm"]}
 
 
 @needs_fsdp2
@@ -268,6 +275,7 @@ def test_hybrid_pytorch_counterpart_trains_like_zero(ran):
         assert ours["comm_seen"] == pytest.approx(seen)  # the dispatcher saw what zero.py counted
         across = "all_reduce across groups"  # and in PyTorch's run, HSDP's all-reduce of shards
         assert theirs["comm"][across] == pytest.approx(ours["comm"][across])
+        assert res["one"][across] > 0 and not res["one"].get("all_reduce")  # labelled so at G = 1
 
 
 # ----------------------------------------------------------------------------------------------
