@@ -272,9 +272,8 @@ def load_full_state_dict(zero, state):
         for u in zero.units:
             # this rank's shard of the unit, the parameters end to end: of each (a view of the
             # mapped file's tensor) just the elements in it are read; then the padding, 0
-            mine = torch.zeros(u.S, dtype=u.master.dtype, device=zero.device)
             own = _slice_of([state[key_of[p]].reshape(-1) for p in u.params], u.my_slice.start, u.S)
-            mine[:len(own)] = own
+            mine = torch.nn.functional.pad(own, (0, u.S - len(own))).to(zero.device, u.master.dtype)
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
