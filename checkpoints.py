@@ -23,8 +23,7 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 
-from zero import UsageError, _all_ranks, _digest, all_gather, layout, replicated, \
-    split_pieces
+from zero import UsageError, _all_ranks, _digest, all_gather, layout, replicated, split_pieces
 
 
 class CheckpointError(UsageError):
@@ -118,24 +117,16 @@ def load_own_part(zero, state):
         return every.cpu().view(len(ranks), -1)
     units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
              for u in state["units"]]
-    for j, q in enumerate(part_index(r, zero.world, zero.N) for r in ranks):
-        # frozen parameters and buffers: rank 0's own (load_parts reads part 0's), or None
-        parts[q] = dict(state, rank=q, replicated=state["replicated"] or None, units=[
+    for j, r in enumerate(ranks):  # (what _reader reads of a part: its units)
+        parts[part_index(r, zero.world, zero.N)] = {"units": [
             {"master": u["master"][j], "state": {k: t[j] for k, t in u["state"].items()}}
-            for u in units])
-    load_parts(zero, parts, state["layout"])
+            for u in units]}
+    # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
+    # parameters and buffers: rank 0's own (None elsewhere), then broadcast
+    load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
+                state["param_scalars"], state["hyper"], state["replicated"] or None)
     for _, t in replicated(zero.model):  # only rank 0's part holds them
         dist.broadcast(t.data, src=0)
-
-
-def load_parts(zero, parts, written):
-    """Load a checkpoint written at any stage and world size: `parts` are the state_dict()s of
-    all its ranks, in rank order (None for a part this rank does not need), `written` the
-    writer's layout(). Exact: each element's values are copied, not recomputed."""
-    present = [part for part in parts if part is not None]
-    load_values(zero, _reader(parts, written), checkpoint_state_keys(present),
-                checkpoint_scalars(present), present[0]["hyper"],
-                parts[0]["replicated"] if parts[0] is not None else None)
 
 
 def _reader(parts, written):
@@ -165,7 +156,9 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     flattened) of its master weights (key "master") or of each per-element optimizer state in
     `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
     parameter the optimizer has state for; `hyper` the param_groups without their params;
-    `frozen` {name: tensor} of the frozen parameters and buffers, or None."""
+    `frozen` {name: tensor} of the frozen parameters and buffers, or None. Exact: each
+    element's values are copied, not recomputed (a checkpoint of any stage and world size: the
+    parts read by _reader; a DCP checkpoint: load_dcp)."""
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
@@ -279,9 +272,8 @@ def load_full_state_dict(zero, state):
         for u in zero.units:
             # this rank's shard of the unit, the parameters end to end: of each (a view of the
             # mapped file's tensor) just the elements in it are read; then the padding, 0
-            mine = torch.zeros(u.S, dtype=u.master.dtype, device=zero.device)
             own = _slice_of([state[key_of[p]].reshape(-1) for p in u.params], u.my_slice.start, u.S)
-            mine[:len(own)] = own
+            mine = torch.nn.functional.pad(own, (0, u.S - len(own))).to(zero.device, u.master.dtype)
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
@@ -725,7 +717,8 @@ def load_checkpoint(opt, path):
     with _agreed(opt.units[0].flat.device, _LAYOUT_ERRORS, functools.partial(_not_laid_out, path)):
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
         check_checkpoint(opt, parts, manifest)
-    load_parts(opt, parts, manifest)
+    load_values(opt, _reader(parts, manifest), checkpoint_state_keys(parts),
+                checkpoint_scalars(parts), parts[0]["hyper"], parts[0]["replicated"])
     return manifest
 
 
