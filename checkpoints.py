@@ -505,10 +505,11 @@ def _rotate(root, step, keep):
     complete ones, but never the one just written (`step`, even if older), the temporary
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
     directories of saves killed midway (_partial: this one's is renamed by now)."""
-    found = sorted(_steps(root))  # (the one just written among them)
+    found = sorted(_steps(root))  # (the one just written among them, unless removed since)
+    oldest = min(found[-keep:], default=step)  # the oldest kept
     for name in os.listdir(root):
         s = _step_of(name.removesuffix(".partial"))
-        if s is not None and (name.endswith(".partial") or s < min(found[-keep:]) and s != step):
+        if s is not None and (name.endswith(".partial") or s < oldest and s != step):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     for s in {*found[-keep:], step}:  # the ones kept: _atomic_write's NAME.tmp<pid> files
         for leftover in pathlib.Path(root, f"step_{s:08d}").glob("*.tmp[0-9]*"):
