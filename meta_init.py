@@ -74,13 +74,13 @@ def materialize(zero, init):
                         else b.to(zero.device)
                     fresh += [(made[b], tnames[b])] * b.is_meta
                 m._buffers[name] = made[b]
-        before = list(m.parameters(recurse=False))
+        before = list(map(id, m.parameters(recurse=False)))  # (ids: == on tensors is per element)
         with torch.no_grad(), _NoWritesOutside(names[m], released):
             if init is not None:
                 init(m)
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-        if list(m.parameters(recurse=False)) != before:
+        if list(map(id, m.parameters(recurse=False))) != before:
             raise ValueError(f"zero: init() replaced a parameter of {names[m]}: initialize "
                              "the module's parameters in place (torch.nn.init, copy_)")
         for u in [u for u, at in last.items() if at == k]:
