@@ -27,8 +27,6 @@ error (_NoWritesOutside).
 What it uses of zero.py: the units (unit.flat, offset, my_slice, shard, master) and the
 Meter; zero.materialize() hands a model built on the meta device to materialize() here.
 """
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -54,8 +52,7 @@ def materialize(zero, init):
     was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
     made, fresh = {}, []  # made: meta buffer -> its tensor (buffers may be shared)
     for k, m in enumerate(modules):
-        own_meta = [t for t in itertools.chain(m.parameters(recurse=False),
-                                               m.buffers(recurse=False))
+        own_meta = [t for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
                     if t.is_meta or id(t) in was_meta]
         if init is None and own_meta and not hasattr(m, "reset_parameters"):
             raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
