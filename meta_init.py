@@ -43,11 +43,13 @@ def materialize(zero, init):
     modules, tnames = [], {t: n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     model.apply(modules.append)  # nn.Module.apply's own order: children first, then their parent
     owner = {p: u for u in zero.units for p in u.params}
-    # the unit -> the last module holding one of its parameters or its own module (the root
-    # unit's: the model), whose init may set its children's
-    last = {u: max(k for k, m in enumerate(modules) if m in (u.modules or [model])
-                   or any(owner.get(p) is u for p in m.parameters(recurse=False)))
-            for u in zero.units}
+    # last: the unit -> the last module holding one of its parameters or its own module (the
+    # root unit's: the model), whose init may set its children's
+    last = {}
+    for k, m in enumerate(modules):
+        held = [owner[p] for p in m.parameters(recurse=False) if p in owner]
+        for u in held + [u for u in zero.units if m in (u.modules or [model])]:
+            last[u] = k  # (k grows: the last one stays)
     released = []
     was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
     made, fresh = {}, []  # made: meta buffer -> its tensor (buffers may be shared)
