@@ -18,7 +18,7 @@ What it uses of zero.py: train(), the Meter's records (meter.timeline), the form
 (memory_formula), the demo GPT and the command line's parser (training_parser, check_args).
 zero.py imports this file at the flags and the calls that need it.
 """
-import argparse, bisect, contextlib, dataclasses, functools, os, pathlib, signal, socket, sys, time
+import argparse, bisect, contextlib, functools, os, pathlib, signal, socket, sys, time
 from collections import namedtuple
 from html import escape
 from itertools import accumulate
@@ -144,11 +144,10 @@ def report_limit(res, args):
          + " (largest over the ranks)")
 
 
-@dataclasses.dataclass
 class Progress:
     """Where this rank is (which block's forward or backward, which step), for out-of-memory."""
-    what: str = "building the model"
-    step: int = None
+    what = "building the model"
+    step = None
 
     def note(self, what):
         self.what = what
@@ -301,17 +300,16 @@ def largest_model(args):
     for stage in range(4):
         tried, fitted = {}, []
 
-        def fits(layers):
-            if layers not in tried:
-                tried[layers] = res = _trial(args, stage, layers)
-                print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
-                      (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
-                       else res["error"].split(" (--max-memory")[0]), flush=True)
-                if res["ok"]:
-                    state = model_state(stage, layers)
-                    fitted.append(Fit(layers, res["state"] + res["rest"] - state,
-                                      res["state"] - state, res["per_block"]))
-            return tried[layers]["ok"]
+        def fits(layers):  # (each probe is one not tried yet: between lo and hi, below)
+            tried[layers] = res = _trial(args, stage, layers)
+            print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
+                  (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
+                   else res["error"].split(" (--max-memory")[0]), flush=True)
+            if res["ok"]:
+                state = model_state(stage, layers)
+                fitted.append(Fit(layers, res["state"] + res["rest"] - state,
+                                  res["state"] - state, res["per_block"]))
+            return res["ok"]
         hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
         while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
             guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
@@ -532,13 +530,13 @@ Panel = namedtuple("Panel", "stage step world psi groups dtype events formula sy
 
 def timeline_panel(res, args):
     """One run's Panel, from what train() returned (res) and its args."""
-    pb, gb, ob = bytes_per_parameter(args)
     s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
     return Panel(stage=s, step=args.steps, world=N, psi=res["psi"],
                  groups=f", G = {G}" if G < N else "", events=res["timeline"],
                  dtype="bf16 mixed precision" if args.bf16 else "fp32",
-                 formula=memory_formula(s, res["psi"], N, pb, gb, ob, shard_size=G),
-                 symbols=formula_symbols(s, "N" if G == N else "G", pb, gb, ob))  # hybrid: 1/G
+                 formula=memory_formula(s, res["psi"], N, *bytes_per_parameter(args), G),
+                 # (hybrid: the symbols say 1/G)
+                 symbols=formula_symbols(s, "N" if G == N else "G", *bytes_per_parameter(args)))
 
 
 def _total(e):

@@ -27,8 +27,6 @@ error (_NoWritesOutside).
 What it uses of zero.py: the units (unit.flat, offset, my_slice, shard, master) and the
 Meter; zero.materialize() hands a model built on the meta device to materialize() here.
 """
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -42,22 +40,21 @@ def materialize(zero, init):
     runs on the CPU, whose random numbers are the same whatever the device: a model built on
     a GPU gets the weights it gets on the CPU; each unit then moves to zero.device."""
     model, names = zero.model, {m: n or "the model" for n, m in zero.model.named_modules()}
-    modules, pnames = [], {p: n for n, p in model.named_parameters()}
+    modules, tnames = [], {t: n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     model.apply(modules.append)  # nn.Module.apply's own order: children first, then their parent
-    bnames = {b: n for n, b in model.named_buffers()}
     owner = {p: u for u in zero.units for p in u.params}
-    last = {owner[p]: k for k, m in enumerate(modules) for p in m.parameters(recurse=False)
-            if p in owner}  # the unit -> the last module holding one of its parameters...
-    for k, m in enumerate(modules):  # ...or its own module, whose init may set its children's
-        for u in zero.units:
-            if m in u.modules or (not u.modules and m is model):
-                last[u] = max(last.get(u, k), k)
+    # last: the unit -> the last module holding one of its parameters or its own module (the
+    # root unit's: the model), whose init may set its children's
+    last = {}
+    for k, m in enumerate(modules):
+        held = [owner[p] for p in m.parameters(recurse=False) if p in owner]
+        for u in held + [u for u in zero.units if m in (u.modules or [model])]:
+            last[u] = k  # (k grows: the last one stays)
     released = []
     was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
     made, fresh = {}, []  # made: meta buffer -> its tensor (buffers may be shared)
     for k, m in enumerate(modules):
-        own_meta = [t for t in itertools.chain(m.parameters(recurse=False),
-                                               m.buffers(recurse=False))
+        own_meta = [t for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
                     if t.is_meta or id(t) in was_meta]
         if init is None and own_meta and not hasattr(m, "reset_parameters"):
             raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
@@ -68,25 +65,25 @@ def materialize(zero, init):
                 _materialize_unit(zero, owner[p])
             elif p.is_meta:  # a frozen parameter: not sharded, held whole as in a normal build
                 _swap_in(p, _unset(torch.empty_like(p, device="cpu")))
-                fresh.append((p, pnames[p]))
+                fresh.append((p, tnames[p]))
         for name, b in m._buffers.items():
             if b is not None and (b.is_meta or b.device != zero.device):
                 if b not in made:
                     made[b] = _unset(torch.empty_like(b, device="cpu")) if b.is_meta \
                         else b.to(zero.device)
-                    fresh += [(made[b], bnames[b])] * b.is_meta
+                    fresh += [(made[b], tnames[b])] * b.is_meta
                 m._buffers[name] = made[b]
-        before = list(m.parameters(recurse=False))
+        before = list(map(id, m.parameters(recurse=False)))  # (ids: == on tensors is per element)
         with torch.no_grad(), _NoWritesOutside(names[m], released):
             if init is not None:
                 init(m)
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-        if list(m.parameters(recurse=False)) != before:
+        if list(map(id, m.parameters(recurse=False))) != before:
             raise ValueError(f"zero: init() replaced a parameter of {names[m]}: initialize "
                              "the module's parameters in place (torch.nn.init, copy_)")
         for u in [u for u, at in last.items() if at == k]:
-            _check_set([(p, pnames[p]) for p in u.params])
+            _check_set([(p, tnames[p]) for p in u.params])
             u.flat = u.flat.to(zero.device)  # (the CPU: the same tensor)
             for p in u.params:
                 p.data = u.view(u.flat, p)
@@ -136,7 +133,6 @@ def _materialize_unit(zero, unit):
     unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device="cpu")
     for p in unit.params:  # each parameter becomes a view of the flat buffer, as in Unit()
         _swap_in(p, _unset(unit.view(unit.flat, p)))
-    unit.shard = unit.master = unit.flat[unit.my_slice]
     zero.meter.event("materialized", unit)
 
 

@@ -206,6 +206,10 @@ def test_meta_models_refused_clearly(one_rank):
     cases.append((early, {"init": lambda m: net_init(m)
                           or m is early.norm and early.blocks[0][0].bias.data.zero_()},
                   "init(norm) writes to a tensor of a unit that is built already (zero_)"))
+    with torch.device("meta"):  # an init replacing a parameter instead of setting it
+        replaced = Net(0)
+    cases.append((replaced, {"init": lambda m: net_init(m) or m is replaced.norm and setattr(
+        m, "weight", nn.Parameter(torch.ones(D)))}, "init() replaced a parameter of norm"))
     for model, kwargs, message in cases:
         with pytest.raises(ValueError) as e:
             zero.wrap(model, 3, optimizer, **kwargs)
