@@ -526,7 +526,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
 
     def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
-        if opt.rank == 0:
+        if opt.rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":  # (each node's disk)
             shutil.rmtree(tmp, ignore_errors=True)
 
     # (torch.save reports some failed writes as RuntimeError)
@@ -548,7 +548,20 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     manifest_path = os.path.join(tmp, "manifest.json")
     with _agreed(device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
         if opt.rank == 0:  # complete: it takes its name (an old one of this step's), rotation
+            _all_there(tmp, {name: n for name, (n, _) in files.items()}, step)
             _commit(tmp, path, "manifest.json", manifest, keep)
+
+
+def _all_there(tmp, sizes, step):
+    """Rank 0, before it commits a save: each file {name: size} the ranks wrote is in tmp, as
+    long as written. One missing: the ranks wrote into directories of their own, one on each
+    node's disk, and the checkpoint would be complete nowhere."""
+    for name, size in sizes.items():
+        file = os.path.join(tmp, name)
+        if not os.path.isfile(file) or os.path.getsize(file) < size:
+            raise CheckpointError(f"step {step} not saved: {file}, which another rank wrote, is "
+                                  "not there for rank 0: --ckpt-dir must be one directory that "
+                                  "every rank reaches (a shared file system), not one on each node")
 
 
 def _partial(root, step, device):
@@ -844,6 +857,7 @@ def save_dcp(state, root, step, info, device, keep=2):
     with _agreed(device, (OSError, RuntimeError, _dcp_error()), _not_saved(step, rank, tmp)):
         dcp.save(state, checkpoint_id=tmp)  # rank 0 writes .metadata, after every rank's files
         if rank == 0:
+            _all_there(tmp, _dcp_ends(dcp.FileSystemReader(tmp).read_metadata()), step)
             _commit(tmp, path, DCP_MARKER, {"format": DCP_FORMAT, "step": step, **info}, keep)
 
 
@@ -859,10 +873,7 @@ def read_dcp(path):
     except Exception as e:  # (DCP's index missing or not one)
         raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
                               f"({type(e).__name__}: {_reason(e)})") from None
-    ends = {}  # each file's length that the index needs
-    for item in metadata.storage_data.values():
-        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-    for name, end in sorted(ends.items()):
+    for name, end in sorted(_dcp_ends(metadata).items()):
         size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
         if size < end:
             raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
@@ -870,6 +881,14 @@ def read_dcp(path):
     tensors = {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
                for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
     return info, tensors
+
+
+def _dcp_ends(metadata):
+    """{file: its length that DCP's index (metadata) needs}"""
+    ends = {}
+    for item in metadata.storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    return ends
 
 
 def _marker_problem(d):  # what is wrong with a DCP marker's contents (read_dcp), or None
@@ -968,7 +987,17 @@ def resume(opt, args, world, device, log):
     The checkpoint's hyper-parameters are loaded with its state, then --lr is applied: the
     command line has the last word. Returns (the first step to train, the checkpoint or None)."""
     found = choose_checkpoint(args.ckpt_dir, device) if args.ckpt_dir else None
-    found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
+    with _agreed(device, OSError, lambda e: f"{found}: {e.strerror or e}"):  # (a node's own)
+        found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
+        marker = next((os.path.join(found, name) for name in ("manifest.json", DCP_MARKER,
+                       ".metadata") if found and os.path.isfile(os.path.join(found, name))), None)
+        mine = hashlib.sha256(pathlib.Path(marker).read_bytes() if marker else b"").digest()
+    # The same checkpoint on every rank: copies on each node's own disk may be of other steps
+    for r, row in enumerate(_all_ranks(list(mine), device)):
+        if bytes(row) != mine:
+            raise CheckpointError(f"{found or args.resume_from}: rank {r} reads another checkpoint "
+                                  "there than this rank (a copy on each node's own disk, not the "
+                                  "same?): every rank must resume the same one")
     if not found:
         return 1, None
     # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)

@@ -29,6 +29,7 @@ What the README claims of checkpoints, and the tests that check it:
 No assertion depends on how fast anything runs: the killed rank kills itself right after a
 given checkpoint, not from outside at whatever step it has reached.
 """
+import argparse
 import contextlib
 import functools
 import io
@@ -613,6 +614,28 @@ def abused_ranks(rank, world):
     out["after"] = sorted(os.listdir(root))
     chosen = checkpoints.choose_checkpoint(root, torch.device("cpu"))
     out["loaded"] = checkpoints.load_checkpoint(opt, chosen)["step"]
+    # Node-local disks: rank 1, the first rank of "another node", writes into a directory of its
+    # own. Refused on every rank before a checkpoint is marked complete; each node's is removed.
+    local, saved = root + ("-node1" if rank else ""), os.environ["LOCAL_RANK"]
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        checkpoints.save_checkpoint(opt, local, 8)
+    except checkpoints.CheckpointError as e:
+        out["local"] = str(e)
+    os.environ["LOCAL_RANK"] = saved
+    dist.barrier()
+    out["local after"] = sorted(os.listdir(local))
+    try:  # and a DCP save (fsdp_demo.py's), each rank a tensor of its own
+        checkpoints.save_dcp({f"x{rank}": torch.ones(4)}, local, 10, {}, torch.device("cpu"))
+    except checkpoints.CheckpointError as e:
+        out["local dcp"] = str(e)
+    # Resuming, each rank reads its own copy, and they differ: refused on every rank
+    args = argparse.Namespace(ckpt_dir=None, resume_from=os.path.join(root, "step_0000000" + (
+        "4" if rank else "2")))
+    try:
+        checkpoints.resume(opt, args, world, torch.device("cpu"), print)
+    except checkpoints.CheckpointError as e:
+        out["mixed"] = str(e)
     return out
 
 
@@ -632,6 +655,23 @@ def test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank(abused):
     assert [r["loaded"] for r in ranks] == [4, 4]  # the previous checkpoint is intact
     for path, _, files in os.walk(os.path.join(tmp, "abused-ckpt")):
         assert not [f for f in files if ".tmp" in f], (path, files)
+
+
+def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
+    tmp, ranks = abused
+    assert ranks[0]["local"] == ranks[1]["local"]
+    assert re.fullmatch(r"step 8 not saved: \S+rank_00001\.pt, which another rank wrote, is not "
+                        r"there for rank 0: --ckpt-dir must be one directory that every rank .*",
+                        ranks[0]["local"]), ranks[0]["local"]
+    assert ranks[0]["local after"] == ["step_00000002", "step_00000004"]  # nothing of step 8
+    assert ranks[1]["local after"] == []  # (rank 1's "node": its part removed too)
+    assert ranks[0]["local dcp"] == ranks[1]["local dcp"]
+    assert re.fullmatch(r"step 10 not saved: \S+__1_0\.distcp, which another rank wrote, is not "
+                        r"there for rank 0: .*", ranks[0]["local dcp"]), ranks[0]["local dcp"]
+    for rank, other in enumerate([1, 0]):
+        assert ranks[rank]["mixed"].endswith(f": rank {other} reads another checkpoint there than "
+                                             "this rank (a copy on each node's own disk, not the "
+                                             "same?): every rank must resume the same one")
 
 
 def test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not(one_rank, tmp_path):

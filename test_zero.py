@@ -1782,6 +1782,16 @@ def test_run_ends_zero_own_errors_in_one_line(monkeypatch, capsys):
         assert e.value.code == 2 and capsys.readouterr().err.endswith(": error: a refusal\n")
     with pytest.raises(RuntimeError, match="^a bug$"):
         zero.run(lambda: _raise(RuntimeError("a bug")))
+    # One line a node: its first rank's (LOCAL_RANK 0), whatever its RANK. A file missing on one
+    # node fails its ranks only: that node's console says why.
+    for local_rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", "2")
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as e:
+            zero.run(lambda: _raise(zero.UsageError("--data x: not a file that can be read")))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and (err.endswith(": error: --data x: not a file that can be "
+                                                   "read\n") if says else err == ""), err
 
 
 def _raise(error):

@@ -1946,7 +1946,7 @@ def main(argv=None):
 def run(main, argv=None):
     """Run main() or main(argv): bad input, divergence, out of memory: one line, exit 2, 3, 4."""
     code, prog = 0, os.path.basename(sys.argv[0])
-    rank0 = os.environ.get("RANK", "0") == "0"  # one voice: the ranks raise the same, together
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"  # one line a node (ranks raise alike)
     try:
         main(argv) if inspect.signature(main).parameters else main()
     except (UsageError, Diverged) as e:
