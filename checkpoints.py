@@ -23,11 +23,16 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 
-from zero import UsageError, _all_ranks, _digest, all_gather, layout, replicated, split_pieces
+from zero import UsageError, _all_ranks, all_gather, layout, replicated, split_pieces
 
 
 class CheckpointError(UsageError):
     """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
+
+
+def _digest(x):
+    text = json.dumps(x, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
 def _wide(t):

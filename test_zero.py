@@ -1461,6 +1461,23 @@ def real_code(rank, world):
         except RuntimeError as e:
             after = opt.full_state_dict()
             out["swapped"][stage] = (str(e), all(torch.equal(before[n], after[n]) for n in before))
+    # Nodes launched apart: a flag, or the bytes of a file of the same name, that differ on one
+    # rank. zero.train stops on every rank before training, naming what differs, both values
+    out["apart"], home = {}, os.getcwd()
+    node = os.path.join(os.environ["ZERO_TEST_TMP"], f"node{rank}")  # (this rank's "disk")
+    os.makedirs(node, exist_ok=True)
+    with open(os.path.join(node, "data.txt"), "w") as f:
+        f.write("the same words on every rank " * 20 + "but not on this one" * rank)
+    for name, argv in [("seed", ["--seed", str(rank)]), ("data (sha256)", ["--data", "data.txt"])]:
+        os.chdir(node)
+        try:
+            zero.train(zero.check_args(zero.training_parser("").parse_args([*TINY, *argv])),
+                       quiet=True)
+            out["apart"][name] = None
+        except zero.UsageError as e:
+            out["apart"][name] = str(e)
+        finally:
+            os.chdir(home)
     return out
 
 
@@ -1502,6 +1519,12 @@ def test_settings_that_change_communication_must_agree(real_runs):
     for res in real_runs:
         for name, error in res["disagree"].items():
             assert error and error.startswith(f"zero: ranks disagree: rank 0 has {name}"), error
+        assert res["disagree"]["param_dtype"] == ("zero: ranks disagree: rank 0 has param_dtype "
+                                                  "None; rank 1 has param_dtype torch.bfloat16")
+        # and the command line's flags and data, where nodes were launched apart
+        assert res["apart"]["seed"] == "ranks disagree: rank 0 has seed 0; rank 1 has seed 1"
+        assert re.fullmatch(r"ranks disagree: rank 0 has data \(sha256\) '[0-9a-f]{39}; rank 1 "
+                            r"has data \(sha256\) '[0-9a-f]{39}", res["apart"]["data (sha256)"])
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -55,7 +55,7 @@ classic mistakes), fsdp_demo.py (the same with PyTorch's DDP and FSDP2). One int
 Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/Infinity).
 Activations are not model state, and no stage here shards them.
 """
-import argparse, contextlib, dataclasses, functools, hashlib, inspect, json, os
+import argparse, contextlib, dataclasses, functools, hashlib, inspect, os
 import statistics, sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
@@ -674,7 +674,11 @@ def configure(zero, model, options):
     running = zero.forwards = [0]
     model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
     model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1), always_call=True)
-    check_ranks_agree(zero)
+    # Ranks that disagree would hang or exchange garbage: the first collective is a small one
+    mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
+    layout_hash = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+    same_on_every_rank({"stage": zero.stage, "Ψ": zero.psi, "layout hash": layout_hash, **{
+        "shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}}, zero.device, "zero: ")
     if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
         _hybrid().make_hybrid(zero)
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
@@ -1226,26 +1230,19 @@ def guard_sharded_parameters(zero):
             p.__class__, p._zero_name = ShardedParameter, name
 
 
-def _digest(x):
-    text = json.dumps(x, sort_keys=True, default=str).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
-
-
-def check_ranks_agree(zero):
-    # Ranks that disagree would hang or exchange garbage: the first collective is a small one
-    mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
-    settings = {"shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}
-    fields = {"stage": zero.stage, "Ψ": zero.psi, "layout hash": _digest(mine),
-              **{k: _digest(v) for k, v in settings.items()}}
-    rows = _all_ranks(list(fields.values()), zero.device)
+def same_on_every_rank(fields, device, prefix=""):
+    """Raise on every rank unless each has the same {name: value}, with rank 0's value and the
+    first other's: one all-gather of a hash and 40 bytes of each. ValueError, else UsageError."""
+    texts = [repr(v).encode() for v in fields.values()]
+    rows = _all_ranks([b for t in texts for b in hashlib.sha256(t).digest()[:8] + t[:40].ljust(40)],
+                      device, torch.uint8)
     for r, row in enumerate(rows):
-        for name, a, b in zip(fields, rows[0], row):
-            if a != b:
-                shown = [str(x) if name in ("stage", "Ψ") else f"{x & (2**64 - 1):016x}" +
-                         " (hash)" * (name in settings) for x in (a, b)]
-                raise ValueError(f"zero: ranks disagree: rank 0 has {name} {shown[0]}; rank {r} "
-                                 f"has {name} {shown[1]}" +
-                                 (f" (here: {settings[name]!r})" if name in settings else ""))
+        for i, name in enumerate(fields):
+            a, b = (bytes(x[48 * i:48 * i + 48]) for x in (rows[0], row))
+            if a[:8] != b[:8]:
+                a, b = (x[8:].decode(errors="replace").strip() for x in (a, b))
+                raise (ValueError if prefix else UsageError)(
+                    f"{prefix}ranks disagree: rank 0 has {name} {a}; rank {r} has {name} {b}")
 
 
 def check_step_agrees(zero):
@@ -1555,6 +1552,9 @@ def train(args, build=None, keep_params=False, quiet=False):
     """Train the demo model; return what every rank measured. build(model, device) -> (model,
     optimizer, label) parallelizes the meta-device model (zero_build; fsdp_demo.py: PyTorch's)."""
     rank, world, device = setup(args.backend, args.device, args.timeout)
+    # The same flags and data on every rank (nodes launched apart may differ): else stop, naming it
+    same_on_every_rank({**vars(args), "data (sha256)": hashlib.sha256(
+        demo_data(args.data).numpy()).hexdigest()}, device)
     _memory().check_fits(args, world, device)  # a model this machine cannot hold: refused
     # where the rank is, named if it runs out of memory (--max-memory on CPU: memory.Watch, which
     # follows the data size too)
