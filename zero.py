@@ -1232,10 +1232,10 @@ def guard_sharded_parameters(zero):
 
 def same_on_every_rank(fields, device, prefix=""):
     """Raise on every rank unless each has the same {name: value}, with rank 0's value and the
-    first other's: one all-gather of a hash and 40 bytes of each. ValueError, else UsageError."""
-    texts = [repr(v).encode() for v in fields.values()]
-    rows = _all_ranks([b for t in texts for b in hashlib.sha256(t).digest()[:8] + t[:40].ljust(40)],
-                      device, torch.uint8)
+    first other's: one all-gather of a hash and the ends of each. ValueError, else UsageError."""
+    texts = [repr(v).encode() for v in fields.values()]  # each shown by its ends, in 40 bytes
+    rows = _all_ranks([b for t in texts for b in hashlib.sha256(t).digest()[:8] + (
+        t if len(t) <= 40 else t[:20] + b"..." + t[-17:]).ljust(40)], device, torch.uint8)
     for r, row in enumerate(rows):
         for i, name in enumerate(fields):
             a, b = (bytes(x[48 * i:48 * i + 48]) for x in (rows[0], row))
