@@ -1231,8 +1231,8 @@ def guard_sharded_parameters(zero):
 
 
 def same_on_every_rank(fields, device, prefix=""):
-    """Raise on every rank unless each has the same {name: value}, with rank 0's value and the
-    first other's: one all-gather of a hash and the ends of each. ValueError, else UsageError."""
+    """Raise on every rank unless all have the same {name: value}, naming rank 0's and another's
+    (one all-gather of a hash and the ends of each): ValueError given a prefix, else UsageError."""
     texts = [repr(v).encode() for v in fields.values()]  # each shown by its ends, in 40 bytes
     rows = _all_ranks([b for t in texts for b in hashlib.sha256(t).digest()[:8] + (
         t if len(t) <= 40 else t[:20] + b"..." + t[-17:]).ljust(40)], device, torch.uint8)
