@@ -23,7 +23,8 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 
-from zero import UsageError, _all_ranks, all_gather, layout, replicated, split_pieces
+from zero import (UsageError, _all_ranks, all_gather, layout, replicated, same_on_every_rank,
+                  split_pieces)
 
 
 class CheckpointError(UsageError):
@@ -839,6 +840,8 @@ def is_dcp(path):
 
 def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory")
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     if (found := latest_checkpoint(path)) is None:
@@ -1042,9 +1045,16 @@ def data_position(args, world):
             "data": os.path.basename(args.data) if args.data else "corpus"}
 
 
-def read_state_dict(path):
+def read_state_dict(path, device=None):
     """--init-from: a plain state_dict file (what --consolidate writes, or
-    torch.save(model.state_dict())), memory-mapped: its pages are read only where used."""
+    torch.save(model.state_dict())), memory-mapped: its pages are read only where used. Given
+    a device, on every rank (a collective): where one rank cannot read it, or reads a copy that
+    differs from rank 0's (nodes' own disks), every rank stops."""
+    if device is not None:
+        with _agreed(device):
+            state = read_state_dict(path)
+        same_on_every_rank({f"--init-from {path} (bytes, sampled sha256)": _sampled(path)}, device)
+        return state
     if os.path.isdir(path):
         raise UsageError(f"--init-from {path}: a directory; it takes a .pt or .safetensors file "
                          "(dcp_to_torch_save makes a .pt of a DCP directory)")
@@ -1064,3 +1074,16 @@ def read_state_dict(path):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
     return state
 
+
+def _sampled(path, pieces=64, piece=1 << 14):
+    """path's size and the sha256 of its last MiB and `pieces` pieces spread over the rest, which
+    tell two copies apart without reading either whole (a torch file's last bytes, its zip
+    directory, hold a CRC-32 of every tensor's bytes)."""
+    with open(path, "rb") as f:
+        size, digest = os.fstat(f.fileno()).st_size, hashlib.sha256()
+        for k in range(pieces):
+            f.seek(k * max(size - piece, 0) // pieces)
+            digest.update(f.read(piece))
+        f.seek(max(size - (1 << 20), 0))
+        digest.update(f.read())
+    return size, digest.hexdigest()[:12]

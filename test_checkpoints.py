@@ -636,6 +636,11 @@ def abused_ranks(rank, world):
         checkpoints.resume(opt, args, world, torch.device("cpu"), print)
     except checkpoints.CheckpointError as e:
         out["mixed"] = str(e)
+    args.resume_from = os.path.join(root, "step_00000002" if rank == 0 else "gone")  # (a node
+    try:                                                        # without it: every rank stops)
+        checkpoints.resume(opt, args, world, torch.device("cpu"), print)
+    except checkpoints.CheckpointError as e:
+        out["missing"] = str(e)
     return out
 
 
@@ -672,6 +677,7 @@ def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
         assert ranks[rank]["mixed"].endswith(f": rank {other} reads another checkpoint there than "
                                              "this rank (a copy on each node's own disk, not the "
                                              "same?): every rank must resume the same one")
+        assert ranks[rank]["missing"].endswith("gone: no such file or directory")
 
 
 def test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not(one_rank, tmp_path):

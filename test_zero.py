@@ -1437,10 +1437,12 @@ def real_code(rank, world):
         out["rewrap"] = str(e)
     # Ranks that disagree on a setting that changes what is communicated: every rank refuses
     out["disagree"] = {}
-    for name, kwargs in [("param_dtype", dict(param_dtype=torch.bfloat16)),
-                         ("overlap", dict(overlap=False))]:
+    other_lr = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9)  # (rank 1's)
+    for name, stage, kwargs in [("param_dtype", 1, dict(param_dtype=torch.bfloat16)),
+                                ("overlap", 0, dict(overlap=False)),
+                                ("bucket_bytes", 2, dict(bucket_bytes=1024)), ("lr", 1, {})]:
         try:
-            zero.wrap(Deep(), 1 if name == "param_dtype" else 0, optimizer,
+            zero.wrap(Deep(), stage, other_lr if name == "lr" and rank == 1 else optimizer,
                       **(kwargs if rank == 1 else {}))
             out["disagree"][name] = None
         except ValueError as e:
@@ -1468,7 +1470,13 @@ def real_code(rank, world):
     os.makedirs(node, exist_ok=True)
     with open(os.path.join(node, "data.txt"), "w") as f:
         f.write("the same words on every rank " * 20 + "but not on this one" * rank)
-    for name, argv in [("seed", ["--seed", str(rank)]), ("data (sha256)", ["--data", "data.txt"])]:
+    torch.save({"w": torch.full((8,), float(rank))}, os.path.join(node, "init.pt"))  # other values
+    torch.save({"w": torch.zeros(8)}, os.path.join(node, "bad.pt"))
+    if rank:
+        open(os.path.join(node, "bad.pt"), "w").close()  # empty on rank 1's disk only
+    for name, argv in [("seed", ["--seed", str(rank)]), ("data (sha256)", ["--data", "data.txt"]),
+                       ("init-from", ["--init-from", "init.pt"]),
+                       ("init-from unreadable", ["--init-from", "bad.pt"])]:
         os.chdir(node)
         try:
             zero.train(zero.check_args(zero.training_parser("").parse_args([*TINY, *argv])),
@@ -1521,11 +1529,20 @@ def test_settings_that_change_communication_must_agree(real_runs):
             assert error and error.startswith(f"zero: ranks disagree: rank 0 has {name}"), error
         assert res["disagree"]["param_dtype"] == ("zero: ranks disagree: rank 0 has param_dtype "
                                                   "None; rank 1 has param_dtype torch.bfloat16")
+        assert res["disagree"]["bucket_bytes"].endswith("rank 1 has bucket_bytes 1024")
+        assert res["disagree"]["lr"] == "zero: ranks disagree: rank 0 has lr 0.1; rank 1 has lr 0.2"
         # and the command line's flags and data, where nodes were launched apart
         assert res["apart"]["seed"] == "ranks disagree: rank 0 has seed 0; rank 1 has seed 1"
         sha = r"'[0-9a-f]{19}\.\.\.[0-9a-f]{16}'"  # (a long value: its two ends)
         assert re.fullmatch(rf"ranks disagree: rank 0 has data \(sha256\) {sha}; rank 1 has data "
                             rf"\(sha256\) {sha}", res["apart"]["data (sha256)"])
+        # --init-from: each rank reads its own shards from its own node's copy: copies that
+        # differ (their size and sampled bytes), or one that a rank cannot read, stop every rank
+        init = r"--init-from init.pt \(bytes, sampled sha256\) \(\d+, '[0-9a-f]{12}'\)"
+        assert re.fullmatch(f"ranks disagree: rank 0 has {init}; rank 1 has {init}",
+                            res["apart"]["init-from"]), res["apart"]["init-from"]
+        assert res["apart"]["init-from unreadable"].startswith(
+            "--init-from bad.pt: not a state_dict file that can be read"), res["apart"]
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -646,7 +646,7 @@ class Options:
     device: object = None      # device (default: this rank's GPU under NCCL, else the CPU)
 
 
-AGREED = ("param_dtype", "reduce_dtype", "overlap", "check_steps", "N", "buffers")  # every rank's
+AGREED = ("param_dtype", "reduce_dtype", "overlap", "bucket_bytes", "check_steps", "N", "buffers")
 
 
 def configure(zero, model, options):
@@ -677,8 +677,8 @@ def configure(zero, model, options):
     # Ranks that disagree would hang or exchange garbage: the first collective is a small one
     mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
     layout_hash = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
-    same_on_every_rank({"stage": zero.stage, "Ψ": zero.psi, "layout hash": layout_hash, **{
-        "shard_size" if k == "N" else k: getattr(zero, k) for k in AGREED}}, zero.device, "zero: ")
+    same_on_every_rank({"stage": zero.stage, "Ψ": zero.psi, **{"shard_size" if k == "N" else k:
+        getattr(zero, k) for k in AGREED}, "layout hash": layout_hash}, zero.device, "zero: ")
     if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
         _hybrid().make_hybrid(zero)
     guard_conversions(model)  # model.to(), .float(), .half(): refused where they would convert
@@ -908,7 +908,7 @@ def optimizer_of_pieces(zero, make):
     """make(pieces), the torch optimizer of each unit's master cut into pieces (views); u.owners:
     the parameters each holds elements of (cut where parameters start only when needed).
     Checked: one group holding exactly the pieces, element-wise (not Adafactor, LBFGS, Muon,
-    SparseAdam: on pieces they would step something else)."""
+    SparseAdam: on pieces they would step something else), the same type and lr... on every rank."""
     zero.piece = PIECE.get(zero.units[0].flat.device.type, PIECE["cuda"])
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
@@ -926,6 +926,8 @@ def optimizer_of_pieces(zero, make):
     if [set(map(id, g["params"])) for g in opt.param_groups] != [set(map(id, pieces))]:
         raise ValueError(f"zero: optimizer {type(opt).__name__} must step the parameters it is "
                          "given, in one group: each rank steps flat pieces of its shard")
+    hyper = {k: v for k, v in opt.param_groups[0].items() if isinstance(v, (float, int, tuple))}
+    same_on_every_rank({"optimizer": type(opt).__name__, **hyper}, zero.device, "zero: ")
     if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
         opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
     return opt
@@ -1529,7 +1531,7 @@ UNITS = {  # --units: what a unit is (the lists of modules wrap(units=...) takes
 def zero_build(args):
     """build() for train(): zero.wrap with the command line's settings, then --init-from's."""
     def build(model, device):
-        state = _checkpoints().read_state_dict(args.init_from) if args.init_from else None
+        state = _checkpoints().read_state_dict(args.init_from, device) if args.init_from else None
         opt = wrap(model, args.stage, adamw(args), units=UNITS[args.units](model),
                    param_dtype=torch.bfloat16 if args.bf16 else None, overlap=not args.no_overlap,
                    bucket_bytes=int(args.bucket_mb * 2**20), check_steps=not args.no_step_check,
@@ -1881,8 +1883,6 @@ def check_args(args):
         raise UsageError(f"--data {args.data} has {size} bytes: too few for a row" if size < 3
                          else f"--seq-len {args.seq_len} is longer than the data allows: at "
                          f"most {size - 2} ({args.data or 'corpus()'} has {size} bytes)")
-    if args.resume_from and not os.path.exists(args.resume_from):
-        raise UsageError(f"--resume-from {args.resume_from}: no such file or directory")
     return args
 
 
