@@ -23,8 +23,8 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 
-from zero import (UsageError, _all_ranks, all_gather, layout, replicated, same_on_every_rank,
-                  split_pieces)
+from zero import (UsageError, _all_ranks, all_gather, keep_writes, layout, replicated,
+                  same_on_every_rank, split_pieces)
 
 
 class CheckpointError(UsageError):
@@ -63,6 +63,7 @@ def checkpoint_part(zero):
     frozen parameters and buffers. Every tensor a copy on the CPU, made piece by piece: a save
     holds no more device memory than training does, and loads where there is no GPU."""
     units, q = [], part_index(zero.rank, zero.world, zero.N)
+    _written(zero)
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {piece: zero.optimizer.state.get(piece, {}) for u in zero.units for piece in u.pieces}
     per_element = lambda v, piece: torch.is_tensor(v) and v.shape == piece.shape  # noqa: E731
@@ -236,10 +237,18 @@ def another_optimizer(written, optimizer):
                               f"{type(optimizer).__name__}")
 
 
+def _written(zero):
+    """In mixed precision the masters take what was written to the parameters since the last
+    step (keep_writes, which step() runs first): a save between steps must hold it too."""
+    if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
+        keep_writes(zero)
+
+
 def full_state_dict(zero):
     """{name: full float32 tensor (float64 for a float64 parameter)} for every parameter (tied
     ones once, frozen ones too), on every rank; in mixed precision, the fp32 master values."""
     full = {}
+    _written(zero)
     for unit in zero.units:  # one unit at a time: stage 3 never holds the whole model at once
         # stage 0: [N*S], every rank steps the whole unit; stages 1 and 2: the flat buffer holds
         # every rank's stepped shard; stage 3, or fp32 masters of their own: gather them

@@ -149,7 +149,7 @@ def plan(modules):
 # ----------------------------------------------------------------------------------------------
 # The rank processes: one pool for the session, a fresh gloo group for each launch
 
-ZERO_SETTINGS = ("PIECE", "A2A_BYTES", "DIRECT")  # zero.py's module settings that scenarios change
+ZERO_SETTINGS = ("PIECE", "DIRECT")  # zero.py's module settings that scenarios change
 
 
 def _free_port():

@@ -134,10 +134,11 @@ def raise_if_out_of_memory(e, args, model, progress):
 
 
 def report_limit(res, args):
-    """The report's line under --max-memory: what the ranks used above their runtime."""
+    """The report's line under --max-memory: what the ranks used above their runtime. Not model
+    state: at least the used peak less the sum of each kind's peak (peaks of other moments)."""
     state, used = sum((res["peak"] or {}).values()), res["used"]
     log0(f"--max-memory {_si(args.max_memory)}B per rank: at most {_si(used)}B used above the "
-         "runtime, " + (f"{_si(used - state)}B of it not model state" if used >= state else
+         "runtime, " + (f"at least {_si(used - state)}B of it not model state" if used >= state else
                         f"less than the model state ({_si(state)}B): it took memory the runtime "
                         "had freed")  # (small tensors, in the heap: VmData did not grow)
          + (f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else "")

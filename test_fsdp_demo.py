@@ -156,8 +156,7 @@ def test_pytorch_counterpart_trains_like_zero(fsdp_ranks, stage):
 
 
 # On gloo with CPU tensors zero.py's reduce_scatter and all_gather run as all_to_all and
-# broadcasts (zero.DIRECT, below zero.A2A_BYTES): the dispatcher sees those calls, with the same
-# bytes.
+# broadcasts (zero.DIRECT): the dispatcher sees those calls, with the same bytes.
 DIRECT_CALLS = {"reduce_scatter": "all_to_all", "all_gather": "broadcast"}
 
 

@@ -162,7 +162,7 @@ def test_max_memory_passes_what_fits_and_refuses_what_cannot(cli_runs):
     # (which rank, where, the formula), and the job ends (no rank waits for another).
     assert losses(cli_runs[1]["max-memory"]) == losses(cli_runs[1]["stage 3"])
     used = re.search(r"^--max-memory 300MB per rank: at most (\S+)B used above the runtime, "
-                     r"(\S+)B of it not model state; the runtime itself (\S+)B "
+                     r"at least (\S+)B of it not model state; the runtime itself (\S+)B "
                      r"\(largest over the ranks\)$", cli_runs[1]["max-memory"], re.M)
     assert used, cli_runs[1]["max-memory"][-1500:]
     out = TOO_SMALL.result()
@@ -184,7 +184,7 @@ def test_the_limit_line_never_prints_a_negative_size(one_rank, capsys):
     # A tiny model's state may take memory the runtime had freed: the data size grew less than
     # the model state (seen with torch 2.6). The line says so instead of "-530KB not model state"
     args = zero.training_parser("").parse_args(["--max-memory", "300MB"])
-    for used, want in [(3_500_000, "2.97MB of it not model state"),
+    for used, want in [(3_500_000, "at least 2.97MB of it not model state"),
                        (0, "less than the model state (530kB): it took memory the runtime")]:
         memory.report_limit({"peak": {"params": 530_000}, "used": used, "runtime": 1}, args)
         assert want in capsys.readouterr().out

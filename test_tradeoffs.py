@@ -134,6 +134,14 @@ def test_hybrid_sharding_wins_stage_3_back_over_slow_links():
     out = main_printed(zero.main, SEVEN_B + ["--cluster", "inter_bw=1.25e9"])
     step = {(s, G, c): t for s, G, c, _, _, _, t in rows(out)}
     assert step[3, 8, False] < step[3, 16, False]  # the gathers stay inside a node
+    # Its rings across the groups (one per rank of a group, all at once) share each node's link;
+    # a ring over the whole job crosses each node's link once; inside a node, NVLink
+    c = tradeoffs.Cluster()
+    assert c.ring(2, True, 16, 8) == tradeoffs.Link(c.inter_latency, c.inter_bw / 8)
+    assert c.ring(4, True, 16, 4) == tradeoffs.Link(c.inter_latency, c.inter_bw / 4)
+    assert c.ring(16, False, 16, 16) == tradeoffs.Link(c.inter_latency, c.inter_bw)
+    assert c.ring(8, False, 16, 8) == c.ring(2, True, 8, 4) == tradeoffs.Link(c.intra_latency,
+                                                                               c.intra_bw)
 
 
 def test_cluster_bad_input_is_one_line():

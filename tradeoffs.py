@@ -71,15 +71,15 @@ def command(args, argv):
         raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "
                          f"--world-size {args.world_size}")
     estimate(args.params, args.world_size, args.shard_size,
-             [args.stage] if "--stage" in given else range(4))
+             [args.stage] if "--stage" in given else range(4), args.grad_accum)
     if cluster is not None:
         predict_cluster(model_shape(args, given), args.params, args.world_size, cluster)
 
 
-def estimate(psi, world, shard_size=None, stages=range(4)):
+def estimate(psi, world, shard_size=None, stages=range(4), k=1):
     """Per-rank model-state memory for each stage (or those in `stages`), from the formula
-    alone: no model, no ranks; and the elements each rank sends per step, inside its group of G
-    and across the groups."""
+    alone: no model, no ranks; and the elements each rank sends per step of k micro-batches,
+    inside its group of G and across the groups."""
     G = shard_size or world
     print(f"ZeRO model-state memory per rank (formula: the ZeRO paper, arXiv:1910.02054, "
           f"Figure 1)\nΨ = {psi:.4g} parameters, N = {world} ranks"
@@ -89,16 +89,18 @@ def estimate(psi, world, shard_size=None, stages=range(4)):
           f"{'sent, in group':>14} {'across groups':>14}")
     for stage in stages:
         m = {k: v / 1e9 for k, v in memory_formula(stage, psi, world, 2, 2, 12, G).items()}
-        sent = comm_formula(stage, psi, world, 1, 1, shard_size=G)
+        sent = comm_formula(stage, psi, world, 1, 1, k, shard_size=G)
         across = sent.pop("all_reduce across groups", 0)
         inside = sum(sent.values()) if stage or G == world else 0  # stage 0: all-reduce over N
         across += 0 if stage or G == world else sum(sent.values())
         gb = [_fit(m[k], 2) for k in ("params", "grads", "optimizer")] + [_fit(sum(m.values()), 1)]
         print(f"{stage} {STAGE_NAMES[stage].split(':')[0]:<25} "
               + " ".join(f"{x:>6} GB" for x in gb) + f"  {inside:>14.4g} {across:>14.4g}")
-    ring = "2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3" if len(stages) == 4 else \
-        ", ".join(f"{3 if s == 3 else 2}Ψ(N-1)/N for stage {s}" for s in stages)
-    print(f"\nsent: elements per rank per step (ring algorithms): {ring}" + (
+    times = [2, 2, k + 1, 3 * k]  # k micro-batches: stage 2 reduce-scatters in each, 3 all of it
+    ring = "2Ψ(N-1)/N for stages 0-2, 3Ψ(N-1)/N for stage 3" if len(stages) == 4 and k == 1 \
+        else ", ".join(f"{times[s]}Ψ(N-1)/N for stage {s}" for s in stages)
+    print("\nsent: elements per rank per step (ring algorithms" + (
+          "): " if k == 1 else f", k = {k} micro-batches):\n") + ring + (
         ";\nwith G < N the reduce-scatters and all-gathers run inside a group of G, and each "
         "shard's all-reduce\ncrosses the groups (stage 0's all-reduce runs over all N)"
         if G < world else ""))
@@ -147,7 +149,8 @@ def step_time(stage, units, world, G, coll, compute, optimizer_s, k=1, gather_by
     """The time model of one optimizer step of zero.py's stage, in seconds, as a dict: compute
     (forward and backward of k micro-batches), comm (every collective, end to end), exposed (the
     part compute does not hide, overlapped()), optimizer (the step), step (compute + exposed +
-    optimizer).
+    optimizer), loss (the loop's all-reduce of the loss, in comm and exposed: not ZeRO's, so not
+    in the waiting zero.py measures).
 
     units: (elements, root) of each unit, as it is cut (padded to N*S); coll(kind, nbytes, n,
     across): a collective's seconds (collective_time on a Link, or as calibrated); compute: the
@@ -163,7 +166,8 @@ def step_time(stage, units, world, G, coll, compute, optimizer_s, k=1, gather_by
     reduce = each("all_reduce" if stage == 0 else "reduce_scatter", reduce_bytes)
     if stage and R > 1:  # hybrid: each rank's sum of its shard, across the R groups
         reduce += sum(coll("all_reduce", e // G * reduce_bytes, R, True) for e, _ in units)
-    small = (2 if stage == 0 else 3) * coll("all_reduce", 16, world, world > G)  # check, loss, norm
+    loss = coll("all_reduce", 16, world, False)  # the loop's all-reduce of the loss: a latency
+    small = (2 if stage == 0 else 3) * loss  # and as many for the check and (stages 1-3) the norm
     gather = each("all_gather", gather_bytes)
     if stage == 3:  # every forward gathers each unit, every backward again (not the root)
         again = sum(coll("all_gather", e * gather_bytes, n, False) for e, root in units if not root)
@@ -175,7 +179,7 @@ def step_time(stage, units, world, G, coll, compute, optimizer_s, k=1, gather_by
         comm = times * reduce + gather * (stage > 0)
         exposed = times * overlapped(reduce, bwd, L, overlap) + gather * (stage > 0)
     return {"compute": k * compute, "comm": comm + small, "exposed": exposed + small,
-            "optimizer": optimizer_s,
+            "optimizer": optimizer_s, "loss": loss,
             "step": k * compute + exposed + small + optimizer_s}
 
 
@@ -195,12 +199,15 @@ class Cluster:
     flops: float = 300e12        # FLOP/s each GPU achieves in forward and backward (bf16)
     memory_bw: float = 2e12      # bytes/s of GPU memory: the optimizer step streams 32 B/element
 
-    def ring(self, n, across):
-        """The Link of a ring of n ranks: inside a node while it fits in one (consecutive
-        ranks), else every step waits for the slowest link, the one between nodes."""
-        if n <= self.gpus_per_node and not across:
+    def ring(self, n, across, world, G):
+        """The Link of a ring of n ranks: inside a node while its ranks are in one (the job, or
+        a group of G consecutive ranks), else every step waits for the slowest link, the one
+        between nodes. across: one of hybrid sharding's rings across the groups, which all run
+        at once, one for each rank of a group: a node's ranks in them share its link."""
+        if world <= self.gpus_per_node or n <= self.gpus_per_node and not across:
             return Link(self.intra_latency, self.intra_bw)
-        return Link(self.inter_latency, min(self.intra_bw, self.inter_bw))
+        share = min(G, self.gpus_per_node) if across else 1
+        return Link(self.inter_latency, min(self.intra_bw, self.inter_bw / share))
 
 
 def parse_cluster(text):
@@ -281,7 +288,7 @@ def predict_cluster(args, psi, world, cluster):
                 act = activation_bytes(L, args.d_model, args.seq_len, args.batch_size, ckpt)
                 t = step_time(stage, [(psi / L, False)] * L, world, G,
                               lambda kind, nbytes, n, across: collective_time(
-                                  kind, nbytes, n, c.ring(n, across)),
+                                  kind, nbytes, n, c.ring(n, across, world, G)),
                               (8 if ckpt else 6) * psi * tokens / c.flops,
                               32 * psi / (G if stage else 1) / c.memory_bw, k, 2, 4)
                 fits = state + act <= c.gpu_memory
@@ -299,9 +306,12 @@ def predict_cluster(args, psi, world, cluster):
         if keys:
             print(f"\n{kind}:" + "".join(("\n " if i % 4 == 0 else "") + f" {k}={getattr(c, k):g}"
                                          for i, k in enumerate(keys)))
-    print("formulas: activations 34·s·b·h bytes a layer (Korthikanti et al. 2022), the "
-          "optimizer step 32\nbytes an element stepped at memory_bw. Not modeled: kernel launches, "
-          "the logits' memory,\nfragmentation, compute slowed by communication on the same GPU")
+    print("formulas: activations 34·s·b·h bytes a layer (Korthikanti et al. 2022; with "
+          "checkpointing 2·s·b·h a\nlayer and one layer's 34·s·b·h), the optimizer step 32 bytes "
+          "an element stepped at memory_bw.\nNot modeled: kernel launches, the logits' memory, "
+          "fragmentation, what a step holds for a moment\n(an fp32 copy of the gradients "
+          "stepped, full-unit gradients, stage 3's gathered units), compute\nslowed by "
+          "communication on the same GPU")
     fitting = [r for r in rows if r[3]]
     if not fitting:
         print("verdict: no stage fits in gpu_memory, with or without checkpointing: memory "
@@ -440,10 +450,11 @@ def tradeoff_table(args):
             got = measured_row(res, args)
             want = calibrated_step(cal, stage, res["units"], world, args)
             rows.append((stage, units, got, want))
+            waits = want["exposed"] - want["loss"]  # (the measured leaves the loss's out too)
             log0(f"{stage:<6}{units:>6} {got['state']:>12,} {got['sent']:>11,.0f} "
                  f"{got['step'] * 1e3:>8.1f} {got['waiting'] * 1e3:>8.1f} "
                  f"{got['tokens/s']:>9.0f} | {want['step'] * 1e3:>9.1f} "
-                 f"{want['exposed'] * 1e3:>8.1f} {got['step'] / want['step']:>6.2f}")
+                 f"{waits * 1e3:>8.1f} {got['step'] / want['step']:>6.2f}")
     fitted = "\n".join(f"  {k:<15} {a * 1e6:8.0f} µs + " + (f"bytes / {1 / b / 1e9:.3g} GB/s" if b
                        else "no time per byte (the sweep's slope was not above 0)")
                        for k, (a, b) in cal["coll"].items())
@@ -455,7 +466,8 @@ def tradeoff_table(args):
          f"stream's stall, CUDA events).\npredicted: the time model (tradeoffs.py) calibrated "
          f"here, each collective a line through a sweep:\n{fitted}\n  forward + backward "
          f"{cal['compute'] * 1e3:.1f} ms a micro-batch; the optimizer "
-         f"{cal['optimizer_per_element'] * 1e9:.2f} ns an element\nratio: measured / predicted. "
+         f"{cal['optimizer_per_element'] * 1e9:.2f} ns an element; its waiting leaves out the "
+         "loop's\nall-reduce of the loss, as the measured does. ratio: measured / predicted. "
          f"On CPU compute and communication share the cores, which the\nmodel does not know, and "
          f"the sweep moves from run to run: read the ratios as rough.")
     return rows

@@ -902,6 +902,9 @@ def buckets(groups, bucket_bytes):
 # Speed 3, optimizer pieces of at most PIECE elements: CPU Adam's ten passes over a 128K piece
 # (2 MB with gradient, m, v) stay in L2 cache. The price: per-tensor work and a step counter each.
 PIECE = {"cpu": 1 << 17, "cuda": 1 << 22}
+# torch's optimizers that read more than an element (a tensor's RMS, a matrix, a line search)
+NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "Adafactor", "LBFGS", "Muon", "SparseAdam") if hasattr(torch.optim, name))
 
 
 def optimizer_of_pieces(zero, make):
@@ -913,15 +916,17 @@ def optimizer_of_pieces(zero, make):
     for u in zero.units:
         u.pieces, u.owners, u.per_parameter = *cut_pieces(zero, u, per_parameter=False), False
     pieces = [piece for u in zero.units for piece in u.pieces]
-    opt = make(pieces) if callable(make) and not (
-        isinstance(make, type) and not issubclass(make, torch.optim.Optimizer)) else make
-    if opt is make or not isinstance(opt, torch.optim.Optimizer):
-        raise ValueError("zero: optimizer is a torch optimizer class, or a function of the "
-                         "parameters that makes one (partial(AdamW, lr=1e-3)), not "
-                         + getattr(make, "__name__", f"a {type(make).__name__}"))
-    if any(isinstance(opt, getattr(torch.optim, n, ())) for n in ("Adafactor", "LBFGS", "Muon",
-                                                                   "SparseAdam")):
-        raise ValueError(f"zero: optimizer {type(opt).__name__} is not element-wise on dense "
+    kind = getattr(make, "func", make)  # a class (a partial's too): refused before it sees pieces
+    if kind not in NOT_ELEMENTWISE:
+        opt = make(pieces) if callable(make) and not (
+            isinstance(make, type) and not issubclass(make, torch.optim.Optimizer)) else make
+        if opt is make or not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError("zero: optimizer is a torch optimizer class, or a function of the "
+                             "parameters that makes one (partial(AdamW, lr=1e-3)), not "
+                             + getattr(make, "__name__", f"an instance of {type(make).__name__}"))
+        kind = type(opt)
+    if issubclass(kind, NOT_ELEMENTWISE):
+        raise ValueError(f"zero: optimizer {kind.__name__} is not element-wise on dense "
                          "tensors (SGD, Adam... are); each rank steps flat pieces of its shard")
     if [set(map(id, g["params"])) for g in opt.param_groups] != [set(map(id, pieces))]:
         raise ValueError(f"zero: optimizer {type(opt).__name__} must step the parameters it is "
@@ -965,10 +970,10 @@ def split_pieces(zero, units):
 
 # Speed 4: gloo's reduce_scatter_tensor and all_gather_into_tensor on CPU are slower than its
 # all-reduce (fsdp_demo.py --bench). So (DIRECT) reduce-scatter = an all_to_all + a local sum (the
-# price: its receive buffer; above A2A_BYTES, N reduces), all-gather = N broadcasts: same bytes.
+# price: its receive buffer, as large as the input), all-gather = N broadcasts: a ring's bytes.
+# (gloo's reduce, N of them, would need no buffer, but each sends about the whole of its slice.)
 # Other backends, CUDA tensors and DIRECT = False: torch's own calls.
 DIRECT = True
-A2A_BYTES = 16 << 20
 # torch 2.13 warns on the names every torch >= 2.6 has (and every tutorial uses): silenced.
 RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 warnings.filterwarnings("ignore", message=RENAMED, category=FutureWarning)
@@ -1000,19 +1005,11 @@ class GlooCPU:
 
     @staticmethod
     def reduce_scatter(out, x, async_op, group=None):
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # rank j: ranks[j]
-        S, rank, world = out.numel(), ranks.index(dist.get_rank()), len(ranks)
-        if x.numel() * x.element_size() <= A2A_BYTES:
-            received = torch.empty_like(x)  # row j: rank j's slice for this rank
-            work = dist.all_to_all_single(received, x, async_op=True, group=group)
-            pending = _Pending([work], lambda: torch.sum(received.view(world, S), 0, out=out),
-                               [received])
-        else:
-            works = [dist.reduce(x[j * S:(j + 1) * S], dst=ranks[j], async_op=True, group=group)
-                     for j in range(world)]
-            mine = x[rank * S:(rank + 1) * S]  # the sum lands here
-            pending = _Pending(works, None if mine.data_ptr() == out.data_ptr() else
-                               lambda: out.copy_(mine))
+        S, world = out.numel(), dist.get_world_size(group)
+        received = torch.empty_like(x)  # row j: rank j's slice for this rank
+        work = dist.all_to_all_single(received, x, async_op=True, group=group)
+        pending = _Pending([work], lambda: torch.sum(received.view(world, S), 0, out=out),
+                           [received])
         return pending if async_op else pending.wait()
 
     @staticmethod
@@ -1034,7 +1031,7 @@ def cast(unit, dtype):
     """Compute with a copy of the unit in `dtype` (None: no copy); returns the original buffer."""
     full = unit.flat
     if dtype is not None:
-        unit.flat = unit.flat.to(dtype)
+        unit.flat = unit.flat.to(dtype, copy=True)  # (a copy even in the dtype it has)
         for p in unit.params:
             p.data = unit.view(unit.flat, p)
     return full
@@ -1287,8 +1284,8 @@ def check_step_agrees(zero):
 def check_gradient(zero, p):
     """Refused: a gradient after step() without zero_grad() (silently wrong), or a sparse one."""
     if zero._reduced:
-        raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): "
-                           "call zero_grad() first")
+        raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): call the "
+                           "wrapped optimizer's zero_grad() first (not the model's)")
     if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
         name = {q: n for n, q in zero.model.named_parameters()}[p]
         raise RuntimeError(f"zero: {name} got a sparse gradient ({p.grad.layout}): zero.py "
@@ -1700,9 +1697,9 @@ def report(res, args):
         log0(f"  {kind:<10} {got:>12,}   {labels[kind]:<10} {want:>12,.0f}"
              + f"   {at_peak:>18}" * (kind != "total"))
     log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
-         "full-unit\n   gradients of stages 2 and 3, with their all-to-all receive buffers on "
-         "gloo/CPU, autograd's\n   new gradient of a parameter until it is copied into its "
-         "unit, the gathered units of stage 3" + (
+         "full-unit\n   gradients of stages 2 and 3, the all-to-all receive buffers of stages "
+         "1-3 on gloo/CPU, autograd's\n   new gradient of a parameter until it is copied into "
+         "its unit, the gathered units of stage 3" + (
              "; in\n   mixed precision, the fp32 copy of the gradients the optimizer steps with)"
              if args.bf16 else ")"))
     if ours and res["build_peak"]["params"] >= 0:  # the model came built on the meta device
@@ -1726,29 +1723,30 @@ def report(res, args):
              f"{want:>14,.0f}")
     gloo, on_cuda = ours and stage > 0 and dist.get_backend() == "gloo", bool(res["cuda_peak"])
     notes = [  # what the measured bytes count that the formula does not, or otherwise
-        (G < world, f"inside a group of {G}: {sum(comm.values()) - comm.get(across, 0):,.0f} "
-                    f"measured, {sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
+        (G < world, f"inside a group of {G} (and the check's all-reduce, over all N): "
+                    f"{sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
+                    f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
                     f"\n   across the R = {world // G} groups: {comm.get(across, 0):,.0f}, "
                     f"formula {expected.get(across, 0):,.0f}"),
         (stage == 3 and ours, "stage 3: the root unit stays gathered from forward into "
                               "backward, one all-gather fewer"),
-        (gloo and DIRECT and not on_cuda,
-         f"gloo on CPU: reduce_scatter runs as an all_to_all + local sum (above {A2A_BYTES >> 20} "
-         "MB: N reduces,\n   which send more), all_gather as N broadcasts: a ring's bytes, in "
-         "less time; see\n   reduce_scatter() in zero.py"),
-        (gloo and on_cuda, "gloo on CUDA tensors: its reduce_scatter_tensor all-reduces a copy of "
-                           "the whole input,\n   through host memory: on the wire an all-reduce's "
-                           "bytes, twice a ring reduce-scatter's,\n   and on the GPU one more "
-                           "full-unit gradient per reduction in flight, not in 'peak'"),
+        (gloo and DIRECT and not on_cuda, "gloo on CPU: reduce_scatter runs as an all_to_all + "
+         "local sum, all_gather as N broadcasts:\n   a ring's bytes, in less time; see "
+         "reduce_scatter() in zero.py"),
+        (gloo and (on_cuda or not DIRECT), "gloo's own reduce_scatter_tensor all-reduces a copy "
+         "of the whole input" + ",\n   through host memory" * on_cuda + ": on the wire an "
+         "all-reduce's bytes, twice a ring reduce-scatter's" + ",\n   and on the GPU one more "
+         "full-unit gradient per reduction in flight, not in 'peak'" * on_cuda),
         (ours and comm.get("all_reduce") and world > 1,
          "all_reduce" + (" includes " if stage == 0 else ": ") + "a 16-byte all-reduce a step "
          "that checks ranks agree (check_steps)" + ",\n   and the sum of squares for "
          * (stage >= 1) + (
              ("clipping by the global gradient norm" if args.clip > 0 else
-              "the global gradient norm, checked finite") if stage >= 1 else ""))]
+              "the global gradient norm, checked finite") if stage >= 1 else "")),
+        (world > 1, "not counted: the training loop's all-reduce of the loss, 4 bytes a step")]
     for note in [note for shown, note in notes if shown]:
         log0(f"  ({note})")
-    log0(f"\nmedian step time {statistics.median(res['times']) * 1e3:.1f} ms over "
+    log0(f"\nmedian step time of rank 0: {statistics.median(res['times']) * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
     if res["waits"]:  # one step's split: the one at the middle of the sorted times
         i = median_step(res["times"])
