@@ -23,11 +23,11 @@ Shard the optimizer state (stage 1), then the gradients too (stage 2), then the 
     2 ZeRO-2 (P_os+g)      2Ψ      2Ψ/N    12Ψ/N      2Ψ + 14Ψ/N          16.6 GB
     3 ZeRO-3 (P_os+g+p)    2Ψ/N    2Ψ/N    12Ψ/N      16Ψ/N                1.9 GB
 
-What it costs, per rank per optimizer step, in elements sent by a ring algorithm:
+What it costs, per rank per optimizer step of one micro-batch, in elements a ring sends:
 
     stage 0   all_reduce(grads)                                      2Ψ (N-1)/N
     stage 1   reduce_scatter(grads) + all_gather(updated params)     2Ψ (N-1)/N  same as 0
-    stage 2   the same, the reduce-scatter issued during backward    2Ψ (N-1)/N  same as 0
+    stage 2   the same, a unit's full gradient freed once reduced    2Ψ (N-1)/N  same as 0
     stage 3   all_gather in forward + in backward + reduce_scatter   3Ψ (N-1)/N  1.5x
 
 Stages 1 and 2 are free in bytes: an all-reduce *is* a reduce-scatter followed by an all-gather,
@@ -106,7 +106,7 @@ class Unit:
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
         self.grad = None              # [N*S] the gradient buffer (stage 1, once reduced: its
                                       # [S] slice holds the sum, the rest zeros)
-        self.grad_shard = None        # the gradient of the elements stepped: summed, / N
+        self.grad_shard = None        # the gradient of the elements stepped: the sum, then / N
         self.step_grad = None         # ... in the master's dtype, during step() only
         # What backward has done with it so far:
         self.arrived = 0              # its parameters given a gradient in this backward
@@ -134,7 +134,7 @@ class Unit:
 def reduce_scatter(out, x, async_op=False, group=None):
     """out [S] = the sum over ranks of x[rank*S:(rank+1)*S], x [N*S]. out may be that slice of x.
     Only out is defined afterwards: the rest of x may have changed. (group: its ranks only.)"""
-    if GlooCPU.used_for(x):  # gloo's own is slow on CPU: the same bytes another way (speed 4)
+    if GlooCPU.used_for(x):  # gloo's own is slow on CPU: the same bytes, and a buffer (speed 4)
         return GlooCPU.reduce_scatter(out, x, async_op, group)
     return dist.reduce_scatter_tensor(out, x, async_op=async_op, group=group)
 
@@ -182,11 +182,11 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
         replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
-        # The optimizer steps this rank's masters cut into flat pieces (small for the cache, speed
-        # 3; one per unit would step the same), views of u.master: u.pieces; u.owners[i], the
-        # parameters piece i holds. Exact for element-wise optimizers (SGD, Adam, AdamW...): each
-        # element's update depends on its own gradient and state only. NOT for those that look at
-        # whole tensors (LAMB, Adafactor: a piece may hold slices), nor groups: torch's refused.
+        # The optimizer steps this rank's masters cut into flat pieces, views of u.master (small
+        # for the cache, speed 3): u.pieces; u.owners[i], the parameters piece i holds. Exact for
+        # element-wise optimizers (SGD, Adam...: an element's update reads its own gradient and
+        # state only), NOT for LAMB or Adafactor (whole tensors), nor groups: refused. In mixed
+        # precision (stages 0-2) a step pre-hook first puts writes to parameters into the masters.
         self.optimizer = optimizer_of_pieces(self, optimizer)  # (checked: element-wise)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
@@ -253,9 +253,9 @@ class DataParallel:
 
     def _land_reductions(self, wait=True):
         # Oldest first, the same order as without overlap, so the sums are the same: with wait,
-        # every one; else those beyond max_in_flight (stage 0: no limit, its all-reduces hold no
-        # memory of their own; else 1, as each may hold a buffer: stage 2's full gradient, gloo's
-        # all-to-all receive buffer, a copy in another dtype) and those complete already.
+        # every one; else those beyond max_in_flight (no limit for stage 0's in-place all-reduces,
+        # which hold no memory of their own; else 1, as each may hold a buffer: stage 2's full
+        # gradient, gloo's all-to-all receive buffer, a copy in another dtype) and those complete.
         while self.in_flight and (wait or len(self.in_flight) > self.max_in_flight
                                   or self.in_flight[0][0].is_completed()):
             work, unit, result = self.in_flight.pop(0)
