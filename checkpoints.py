@@ -777,10 +777,11 @@ def consolidate(path, out, kind):
     group, any stage and world size. Each tensor is a view of the memory-mapped parts (a copy
     where two parts hold it), written from there: no moment holds the whole model in memory. A
     checkpoint that is not right is a CheckpointError, an output that cannot be written a
-    UsageError; neither leaves a file."""
+    UsageError; neither leaves a file. Returns the manifest, and "fp64": whether masters are."""
     manifest, parts = read_checkpoint(path)
     try:
-        tensors = dict(checkpoint_tensors(manifest, parts)) | parts[0]["replicated"]
+        masters = dict(checkpoint_tensors(manifest, parts))
+        tensors = masters | parts[0]["replicated"]
         state, seen = {}, set()
         for key, name in manifest["keys"]:  # a tied weight: one tensor under both keys, as in
             t = _own_storage(tensors[name])  # state_dict(); safetensors wants two copies
@@ -808,7 +809,7 @@ def consolidate(path, out, kind):
             shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
                          f"({_reason(e)})") from None
-    return manifest
+    return {**manifest, "fp64": any(t.dtype == torch.float64 for t in masters.values())}
 
 
 def _own_storage(t):
@@ -993,7 +994,8 @@ def consolidate_command(args):
                               "DCP's is read by dcp_to_torch_save")
     m = consolidate(path, out, kind)
     print(f"wrote {out} ({kind}): {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
-          f"(written at stage {m['stage']} by {m['world_size']} rank(s), fp32 master weights)")
+          f"(written at stage {m['stage']} by {m['world_size']} rank(s), "
+          f"{'fp64' if m['fp64'] else 'fp32'} master weights)")
 
 
 def resume(opt, args, world, device, log):

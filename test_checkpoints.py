@@ -176,13 +176,17 @@ def two_dtypes_resumed(rank, world):
     return out
 
 
-def test_a_model_in_two_dtypes_resumes_exactly(ran):
+def test_a_model_in_two_dtypes_resumes_exactly(ran, shared, tmp_path):
     for res in ran(two_dtypes_resumed, 3):
         for stage in range(3):
             straight, resumed = res[stage]
             assert (straight["a.weight"].dtype == torch.float64
                     and straight["b.weight"].dtype == torch.float32)
             assert all(torch.equal(straight[n], resumed[n]) for n in straight), stage
+    # --consolidate says which masters it wrote
+    printed = main_printed(zero.main, ["--consolidate", os.path.join(shared, "two-dtypes-N3-0"),
+                                       "--out", str(tmp_path / "two.pt")])
+    assert printed.rstrip().endswith("rank(s), fp64 master weights)"), printed
 
 
 @scenario(4, cuda=(4,))

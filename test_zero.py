@@ -1726,8 +1726,10 @@ def by_dim(params):  # nanoGPT's weight decay on matrices only: every flat piece
     (by_dim, "optimizer AdamW must step the parameters it is given, in one group"),
     (lambda ps: torch.optim.SGD(list(ps)[:1]), "optimizer SGD must step the parameters"),
     (lambda ps: None, "optimizer is a .*, not <lambda>$"),
-    (torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "optimizer is a .*, not an instance of SGD$"),
-    (nn.Linear, "optimizer is a .*, not Linear$"), (None, "optimizer is a .*, not an instance of NoneType$")])
+    (torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
+     "optimizer is a .*, not an instance of SGD$"),
+    (nn.Linear, "optimizer is a .*, not Linear$"),
+    (None, "optimizer is a .*, not an instance of NoneType$")])
 def test_wrap_refuses_what_would_not_step_as_unsharded_torch(optimizer, says):
     with pytest.raises(ValueError, match=f"^zero: {says}"):
         zero.wrap(Net(seed=0), 1, optimizer)
@@ -1792,6 +1794,33 @@ def test_param_dtype_may_be_the_models_own(stage):
         step()
     full = opt.full_state_dict()
     assert all(torch.allclose(full[n], p, atol=1e-6) for n, p in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_param_dtype_casts_inputs_given_by_keyword(stage):
+    # model(x=x), as Hugging Face models are called: the input is cast to param_dtype as a
+    # positional one is (it reached the bf16 weights in fp32: a dtype error inside torch)
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x) + x.float().mean()  # (x in fp32 here: a dtype error above)
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x=None, scale=1.0):
+            for block in self.blocks:
+                x = block(x=x.float())  # the units' inputs by keyword too
+            return x * scale
+    model = Keyword()
+    opt = zero.wrap(model, stage, torch.optim.SGD, param_dtype=torch.bfloat16)
+    assert [u.modules for u in opt.units if u.modules] == [[b] for b in model.blocks]
+    assert model(x=torch.randn(3, 4), scale=2.0).dtype == torch.bfloat16
 
 
 def test_stage3_prefetches_the_unit_that_computes_next():

@@ -813,9 +813,11 @@ def replicate_the_rest(zero):
     if zero.mixed_precision:
         for _, p in zero.frozen:
             p.data = p.data.to(dtype)
-        for m in [zero.model] + zero.unit_modules:
-            m.register_forward_pre_hook(lambda module, args: tuple(
-                a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+        def cast_in(a):
+            return a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+        for m in [zero.model] + zero.unit_modules:  # (inputs given by keyword too, as HF passes)
+            m.register_forward_pre_hook(lambda module, args, kwargs: (tuple(map(cast_in, args)), {
+                k: cast_in(v) for k, v in kwargs.items()}), with_kwargs=True)
     if zero.buffers == "broadcast":
         zero.model.register_forward_pre_hook(functools.partial(_broadcast_buffers,
                                                                weakref.ref(zero)))
@@ -1218,8 +1220,8 @@ class ShardedParameter(nn.Parameter):
                     f"zero: {a._zero_name} is sharded at stage 3 and not gathered now: only while "
                     "its module computes (a module computing with it belongs in its unit; a hook "
                     "reading it: a forward pre-hook registered after wrap(), a forward hook before)"
-                    "; read: opt.full_state_dict() on every rank; save: "
-                    "checkpoints.save_checkpoint()")
+                    "; read it: in `with opt.gathered():` on every rank, or opt.full_state_dict(); "
+                    "save: checkpoints.save_checkpoint()")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
