@@ -181,13 +181,13 @@ class DataParallel:
             for p in unit.params:  # runs once p.grad holds this backward's gradient for p
                 p.register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, weakref.ref(self), unit.index))
-        replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole
+        replicate_the_rest(self)  # frozen parameters, buffers: rank 0's, whole (bf16: inputs cast)
         # The optimizer steps this rank's masters cut into flat pieces, views of u.master (small
         # for the cache, speed 3): u.pieces; u.owners[i], the parameters piece i holds. Exact for
         # element-wise optimizers (SGD, Adam...: an element's update reads its own gradient and
-        # state only), NOT for LAMB or Adafactor (whole tensors), nor groups: refused. In mixed
-        # precision (stages 0-2) a step pre-hook first puts writes to parameters into the masters.
-        self.optimizer = optimizer_of_pieces(self, optimizer)  # (checked: element-wise)
+        # state only), NOT for LAMB or Adafactor (whole tensors; torch's are refused) nor groups.
+        # Mixed precision (stages 0-2): a step pre-hook first puts writes to parameters in masters.
+        self.optimizer = optimizer_of_pieces(self, optimizer)  # (torch's known others refused)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
 
@@ -244,7 +244,7 @@ class DataParallel:
 
     def _reduce_unit(self, unit):
         count_unused(self, unit)  # stages 0, 1: a parameter without a gradient counts as zeros
-        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)  # (a copy)
+        g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)
         unit.unreduced = False
         work, result = self._reduce(unit, g)  # launched: it runs while backward goes on
         self.in_flight.append((work, unit, result))
@@ -283,7 +283,7 @@ class DataParallel:
             else:
                 count_unused(self, unit)  # local: zero what no gradient overwrote (checks)
         self._land_reductions()
-        # One small all-reduce (checks): every rank reduced the same units, and which parameters
+        # One or two small all-reduces (checks): every rank reduced the same units; which ones
         # got a gradient on some rank: step() steps those only, as torch skips a parameter whose
         # .grad is None (it also gives those unused here their .grad, and re-cuts the optimizer's
         # pieces, their m and v with them, where a piece holds both kinds).
@@ -402,9 +402,9 @@ class ZeRO1(DataParallel):
 class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
-    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (one reduction
-    in flight at a time: max_in_flight). Memory 2Ψ + 14Ψ/N (paper); communication unchanged,
-    but the reduce-scatters must run during backward (stage 1 runs them there only to overlap).
+    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (two in flight
+    at most: max_in_flight). Memory 2Ψ + 14Ψ/N (paper); communication unchanged, but the
+    reduce-scatters must run during backward (stage 1 runs them there only to overlap).
 
     Timing is the whole point: a "ZeRO-2" that reduce-scatters after backward has finished holds
     every full gradient at the peak and saves nothing. Trade-off: with gradient accumulation
