@@ -269,25 +269,34 @@ def load_full_state_dict(zero, state):
     copies only the elements of its own shard of each unit (and the frozen parameters and
     buffers, which every rank holds whole), so of a memory-mapped file it reads only those
     pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
-    (floating or not) must fit the model; a tied parameter needs one of its names."""
+    (floating or not) must fit the model; a tied parameter needs one of its names (given two,
+    their values must be equal: each rank compares its own elements)."""
     want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    # the model's tensor -> its first key in the state_dict (a tied one has two)
+    # the model's tensor -> its first key in the state_dict (a tied one has two), and its other
     key_of = {t: key for key, t in reversed(want.items()) if key in state}
+    twin = {t: key for key, t in want.items() if key in state and key != key_of[t]}
     problem = next(filter(None, itertools.chain(  # the first problem: a key, a shape, a dtype
         (f"no {key!r} in it" for key, t in want.items() if t not in key_of),
         (f"{key!r} is not in the model" for key in state if key not in want),
         (f"{key!r} is not a tensor" if not torch.is_tensor(s := state[key]) else
          f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} {t.dtype} here"
          if s.shape != t.shape or s.is_floating_point() != t.dtype.is_floating_point else None
-         for t, key in key_of.items()))), None)
+         for t, key in key_of.items()),
+        (f"{key!r} is tied to {key_of[t]!r} here, but not {tuple(t.shape)} there"
+         for t, key in twin.items() if getattr(state[key], "shape", None) != t.shape))), None)
     if problem:
         raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
                          f"{problem}")
+    differs = set()
     with torch.no_grad():
         for u in zero.units:
             # this rank's shard of the unit, the parameters end to end: of each (a view of the
             # mapped file's tensor) just the elements in it are read; then the padding, 0
             own = _slice_of([state[key_of[p]].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+            if any(p in twin for p in u.params) and not torch.equal(own, _slice_of(
+                    [state[twin.get(p, key_of[p])].reshape(-1) for p in u.params],
+                    u.my_slice.start, u.S)):
+                differs |= {key_of[p] + " and " + twin[p] for p in u.params if p in twin}
             mine = torch.nn.functional.pad(own, (0, u.S - len(own))).to(zero.device, u.master.dtype)
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
@@ -295,6 +304,9 @@ def load_full_state_dict(zero, state):
                 all_gather(u.master, mine, group=zero.group)
                 zero.meter.sent("all_gather", u.master, u)
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
+        if any(max(row) for row in _all_ranks([len(differs)], zero.device)):
+            raise ValueError("zero: load_full_state_dict: tied here, different there: "
+                             f"{', '.join(sorted(differs)) or 'on another rank'}")
         for _, t in replicated(zero.model):
             if t in key_of:  # (a buffer that is not persistent is not in a state_dict)
                 t.copy_(state[key_of[t]])
@@ -467,6 +479,8 @@ def _reason(e):
     line of the first rank's traceback it carries, else the first line of the message."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
+    if "unexpected pos" in str(e):  # torch.save's zip writer found a write cut short
+        return "a write was cut short (no space left on the device?)"
     lines = str(e).strip().splitlines() or [type(e).__name__]
     return (lines[-1] if isinstance(e, _dcp_error()) else lines[0])[:300]
 
@@ -1053,7 +1067,8 @@ def data_position(args, world):
     """What decides which rows step k trains on; equal in a resumed run means the same batches."""
     return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
             "grad_accum": args.grad_accum,
-            "data": os.path.basename(args.data) if args.data else "corpus"}
+            "data": "corpus" if not args.data else "{} ({:,} bytes, sampled sha256 {})".format(
+                os.path.basename(args.data), *_sampled(args.data))}  # (a file of the same name)
 
 
 def read_state_dict(path, device=None):

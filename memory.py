@@ -236,6 +236,9 @@ def check_largest_model_args(args):
     if args.world_size < 2:
         raise UsageError("--largest-model compares the stages, which differ only with 2 ranks or "
                          "more: --world-size 2 at least")
+    if args.ckpt_dir or args.resume_from or args.init_from:  # (its trials' models grow)
+        raise UsageError("--largest-model trains demo models of its own: not with --ckpt-dir, "
+                         "--resume-from, --init-from")
 
 
 def _psi(args, layers):  # the demo GPT's parameters: one block's, then one block's more per block
@@ -691,8 +694,9 @@ def check_timeline_args(args):
                          "--estimate or --consolidate")
     if args.steps < 2:
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
-    if args.timeline_all and args.ckpt_dir:
-        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir")
+    if args.timeline_all and (args.ckpt_dir or args.resume_from):
+        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir, "
+                         "--resume-from")
     folder = os.path.dirname(path) or "."
     from checkpoints import writable  # (the files: checkpoints.py's)
     if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):

@@ -21,6 +21,7 @@ What the README claims of checkpoints, and the tests that check it:
 - Under abuse: test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not,
   test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank,
   test_nonfinite_steps_are_never_applied_nor_saved, test_resume_applies_the_command_lines_lr,
+  test_resume_notes_other_data_under_the_same_name,
   test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names,
   test_a_failed_manifest_write_leaves_the_previous_checkpoint,
   test_overwriting_a_checkpoint_of_the_same_step_is_atomic,
@@ -666,6 +667,11 @@ def test_rank_0_chooses_the_checkpoint_and_a_full_disk_fails_every_rank(abused):
         assert not [f for f in files if ".tmp" in f], (path, files)
 
 
+def test_a_write_cut_short_is_named():  # torch.save's own words on a full disk, as seen there
+    e = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 407872 vs 407824")
+    assert checkpoints._reason(e) == "a write was cut short (no space left on the device?)"
+
+
 def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
     tmp, ranks = abused
     assert ranks[0]["local"] == ranks[1]["local"]
@@ -744,6 +750,17 @@ def test_resume_applies_the_command_lines_lr(one_rank, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "hyper-parameters loaded, then --lr 0.001 applied (it had 0.002)" in out
     assert checkpoints.read_checkpoint(ckpt / "step_00000003")[1][0]["hyper"][0]["lr"] == 1e-3
+
+
+def test_resume_notes_other_data_under_the_same_name(one_rank, tmp_path, capsys):
+    ckpt, data = tmp_path / "ckpt", tmp_path / "d.txt"
+    data.write_bytes(bytes(range(256)) * 8)
+    zero.main([*TINY, "--steps", "2", "--ckpt-dir", str(ckpt), "--data", str(data)])
+    zero.main([*TINY, "--steps", "3", "--ckpt-dir", str(ckpt), "--data", str(data)])
+    assert "data stream differs" not in capsys.readouterr().out
+    data.write_bytes(bytes(range(255, -1, -1)) * 8)  # other bytes, the same name and size
+    zero.main([*TINY, "--steps", "4", "--ckpt-dir", str(ckpt), "--data", str(data)])
+    assert "note: the data stream differs" in capsys.readouterr().out
 
 
 def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, tmp_path):

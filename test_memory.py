@@ -135,6 +135,8 @@ def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
              (["--timeline", "/proc/t.svg"], "cannot write /proc/t.svg"),  # (as root too)
              (["--timeline-all", str(tmp_path / "t.svg"), "--ckpt-dir", str(tmp_path)],
               "--ckpt-dir"),
+             (["--timeline-all", str(tmp_path / "t.svg"), "--resume-from", str(tmp_path)],
+              "from the start: not with --ckpt-dir, --resume-from"),
              (["--timeline", "t.svg", "--estimate", "--params", "1e9", "--world-size", "8"],
               "--estimate")]
     for args, message in cases:  # refused before any process group or training
@@ -338,7 +340,9 @@ def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
     for args, message in [(["--max-memory", "200MB", "--world-size", "1"],
                            "--world-size 2 at least"),
                           (["--max-memory", "1000TB", "--world-size", "2"],
-                           "more than this machine's available memory")]:
+                           "more than this machine's available memory"),
+                          (["--max-memory", "200MB", "--world-size", "2", "--resume-from", "d"],
+                           "trains demo models of its own: not with --ckpt-dir")]:
         with pytest.raises(zero.UsageError, match=message):
             zero.main(["--largest-model", *args, *MODEL])
     killed = []

@@ -100,7 +100,8 @@ def meta_models(rank, world):
         for bad in ({k: v for k, v in want.items() if k != "norm.weight"},
                     dict(want, extra=torch.zeros(1)),
                     dict(want, **{"blocks.0.0.weight": torch.zeros(2, 2)}),
-                    dict(want, scale=torch.zeros(D, dtype=torch.long))):
+                    dict(want, scale=torch.zeros(D, dtype=torch.long)),
+                    dict(want, **{"head.weight": want["head.weight"] + 1})):  # untied there
             try:
                 opt.load_full_state_dict(bad)
                 refused.append(None)
@@ -166,18 +167,20 @@ def test_building_a_meta_model_holds_one_unit_at_a_time(meta_runs, world, stage)
 def test_load_full_state_dict_reads_only_each_ranks_own_elements(meta_runs, world, stage):
     # Every element outside a rank's shards was NaN in what that rank was given: the loaded weights
     # are the state_dict's own on every rank, so each rank read its own elements only (stages 0-2
-    # all-gather the rest). Wrong keys, shapes and dtypes: one line naming the key.
+    # all-gather the rest). Wrong keys, shapes and dtypes, a tied weight's two names with two
+    # values (torch would load the last, transformers the first): one line naming the key.
     want = {k: v + 1 for k, v in normally_initialized().state_dict().items()}
     for res in meta_runs[world]:
         rec = res[("load", stage)]
         for n, t in rec["loaded"].items():
             assert torch.equal(t, want[n]), n
         assert all(torch.isfinite(t).all() for t in rec["trained"].values())
-        missing, extra, shape, dtype = rec["refused"]
+        missing, extra, shape, dtype, untied = rec["refused"]
         assert missing and "no 'norm.weight'" in missing
         assert extra and "'extra' is not in the model" in extra
         assert shape and "'blocks.0.0.weight' is (2, 2)" in shape
         assert dtype and "'scale' is" in dtype and "torch.int64" in dtype
+        assert untied and "tied here, different there: " in untied and "head.weight" in untied
         assert all("\n" not in e and e.startswith("zero: load_full_state_dict")
                    for e in rec["refused"])
 

@@ -1356,8 +1356,9 @@ def _convert(module, apply, names, fn, recurse=True):
 @contextlib.contextmanager
 def gathered(zero, modules=None, writeback=False):
     """`with optimizer.gathered(modules=None, writeback=False):` the modules' parameters hold their
-    full values (evaluation, generation, an EMA); writeback=True: rank 0's writes land on every
-    rank, shards and masters too, else writes are not kept. Every rank enters, between steps."""
+    full values (evaluation, generation, an EMA). Every rank enters, between steps. writeback=True:
+    rank 0's writes land on every rank, shards and masters too; else stage 3 drops writes, and
+    stages 0-2 keep them as any write between steps: each rank's, in what it steps (as FSDP1)."""
     if zero.forwards[0] or torch._C._current_graph_task_id() != -1:
         raise RuntimeError("zero: optimizer.gathered() inside a forward or backward: a module "
                            "computes with its units gathered already; enter it between steps")
@@ -1395,8 +1396,7 @@ DataParallel.memory_breakdown = lambda self: self.meter.breakdown()  # {params, 
 DataParallel.state_dict = lambda self: _checkpoints().checkpoint_part(self)  # this rank's part
 DataParallel.load_state_dict = lambda self, state: _checkpoints().load_own_part(self, state)
 DataParallel.full_state_dict = lambda self: _checkpoints().full_state_dict(self)  # unsharded
-DataParallel.load_full_state_dict = \
-    lambda self, state: _checkpoints().load_full_state_dict(self, state)
+DataParallel.load_full_state_dict = lambda self, s: _checkpoints().load_full_state_dict(self, s)
 
 
 def layout(zero):
