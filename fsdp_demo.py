@@ -319,6 +319,8 @@ class Torch:
 
 def report(res, args):
     """zero.report() of a PyTorch run, and what its numbers mean beside zero.py's."""
+    if res is None:  # a checkpoint at --steps already: zero.train said so, nothing to report
+        return
     zero.report(res, args)
     if args.stage >= 2 and dist.get_backend() == "gloo":
         zero.log0("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole "
@@ -334,6 +336,8 @@ def compare(args, keep_params=False):
     """PyTorch's run, then zero.py's in the same processes; returns both results."""
     _, world, _ = zero.setup(args.backend, args.device, args.timeout)
     theirs = zero.train(args, pytorch(args, world), keep_params)
+    if theirs is None:  # nothing left to train
+        return None
     report(theirs, args)
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
     seen = Counter()
@@ -508,7 +512,9 @@ def main(argv=None):
     if args.bench:
         bench(args)
     elif args.compare:
-        print_comparison(*compare(args, keep_params=True), args)
+        compared = compare(args, keep_params=True)
+        if compared:
+            print_comparison(*compared, args)
     else:
         _, world, _ = zero.setup(args.backend, args.device, args.timeout)
         report(zero.train(args, pytorch(args, world)), args)

@@ -236,9 +236,9 @@ def check_largest_model_args(args):
     if args.world_size < 2:
         raise UsageError("--largest-model compares the stages, which differ only with 2 ranks or "
                          "more: --world-size 2 at least")
-    if args.ckpt_dir or args.resume_from or args.init_from:  # (its trials' models grow)
+    if args.ckpt_dir or args.resume_from or args.init_from or args.estimate or args.timeline:
         raise UsageError("--largest-model trains demo models of its own: not with --ckpt-dir, "
-                         "--resume-from, --init-from")
+                         "--resume-from, --init-from, --estimate, --timeline")
 
 
 def _psi(args, layers):  # the demo GPT's parameters: one block's, then one block's more per block

@@ -407,6 +407,10 @@ def test_moving_refuses_bad_input_in_one_line(ran, shared, one_rank, tmp_path):
         assert error and message in error and "\n" not in error, (args, error)
         assert "step    2 |" not in printed and os.listdir(ckpt) == []
     assert sorted(os.listdir(dcp_dir)) == before
+    for argv in ([], ["--compare"]):  # a checkpoint at --steps already: one line, no report
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            fsdp_demo.main([*MOVE, "--stage", "2", "--steps", "1", "--resume-from", dcp_dir, *argv])
+        assert "nothing left to train" in out.getvalue() and "model state" not in out.getvalue()
 
 
 def dcp_full(path):

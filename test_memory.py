@@ -342,6 +342,8 @@ def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
                           (["--max-memory", "1000TB", "--world-size", "2"],
                            "more than this machine's available memory"),
                           (["--max-memory", "200MB", "--world-size", "2", "--resume-from", "d"],
+                           "trains demo models of its own: not with --ckpt-dir"),
+                          (["--max-memory", "200MB", "--world-size", "2", "--estimate"],
                            "trains demo models of its own: not with --ckpt-dir")]:
         with pytest.raises(zero.UsageError, match=message):
             zero.main(["--largest-model", *args, *MODEL])

@@ -150,6 +150,8 @@ def test_cluster_bad_input_is_one_line():
                           (["--cluster", "gpus_per_node=2.5"], "not a whole number"),
                           (["--cluster", "flops=1e15,flops=2e15"], "'flops' twice"),
                           (["--cluster", "flops=-1"], "must be positive"),
+                          (["--cluster", "flops=1e-300"], "from 1e-09 to 1e+21"),  # (inf, nan)
+                          (["--cluster", "inter_latency=1e308"], "from 1e-09 to 1e+21"),
                           (["--cluster", "gpus_per_node=3"], "does not divide --world-size 16"),
                           # (1e24: a million layers, one by one; it ran for minutes)
                           (["--params", "1e24", "--cluster", ""],
@@ -201,6 +203,14 @@ def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):
     # the median leaves the first step out, unless it is the only one
     out = main_printed(zero.main, ["--tradeoffs", "--steps", "1", *MODEL])
     assert "median step\n(one step, with its warm-up)" in out and "left out" not in out
+
+
+def test_tradeoffs_refuses_what_it_would_not_apply():
+    # --max-memory's limit stays with the process: the next stage's run would start under it
+    for argv in (["--max-memory", "1MB"], ["--ckpt-dir", "d"], ["--timeline", "t.svg"]):
+        error, _ = main_refused(zero.main, ["--tradeoffs", *argv, *MODEL])
+        assert error and error.startswith("--tradeoffs trains every stage from the start: not "
+                                          "with"), (argv, error)
 
 
 def test_the_tables_waiting_is_the_median_steps_own():

@@ -1926,7 +1926,10 @@ def test_estimate_reproduces_the_paper():
     table = out.splitlines()[4:9]
     # the columns hold
     assert len({len(line) for line in table}) == 1 and len(table[0]) <= 100, table
-    assert [float(line.split()[-4]) for line in table[1:]] == [2e22, 4e21, 2e21, 3e20]  # total, GB
+    assert [float(line.split()[-4]) for line in table[1:]] == [1.6e22, 4.2e21, 2.2e21, 2.5e20]
+    # 3 significant digits at least: the paper's trillion parameters on 1024 ranks, stage 0
+    out = main_printed(zero.main, ["--estimate", "--params", "1e12", "--world-size", "1024"])
+    assert out.splitlines()[5].split()[3:11:2] == ["2000.0", "2000.0", "12000", "16000"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -51,10 +51,10 @@ def command(args, argv):
     """zero.py --estimate [--cluster] or --tradeoffs: bad input is a UsageError first."""
     if args.tradeoffs:
         if args.estimate or args.consolidate or args.largest_model or args.timeline or \
-                args.timeline_all or args.ckpt_dir or args.resume_from:
+                args.timeline_all or args.ckpt_dir or args.resume_from or args.max_memory:
             raise UsageError("--tradeoffs trains every stage from the start: not with "
                              "--estimate, --consolidate, --largest-model, --timeline*, "
-                             "--ckpt-dir, --resume-from")
+                             "--ckpt-dir, --resume-from, --max-memory (one process's limit)")
         return tradeoff_table(args)
     if args.params is None or args.world_size is None:
         raise UsageError("--estimate needs --params and --world-size")
@@ -107,12 +107,11 @@ def estimate(psi, world, shard_size=None, stages=range(4), k=1):
 
 
 def _fit(x, decimals, width=6):
-    """x with `decimals` decimals, or in fewer significant digits where that is wider than
-    `width` (Ψ = 1e30): the table's columns hold."""
-    text = f"{x:.{decimals}f}"
-    for digits in (3, 2, 1):
-        text = text if len(text) <= width else f"{x:.{digits}g}"
-    return text if len(text) <= width else f"{x:.0e}"
+    """x with `decimals` decimals, fewer where that is wider than `width`, else as 1.23e8 (Ψ =
+    1e30: 1.2e22): the columns hold, and a value below 1e10 keeps 3 significant digits."""
+    fixed = (f"{x:.{d}f}" for d in range(decimals, -1, -1))
+    short = (f"{float(m):g}e{int(e)}" for m, e in (f"{x:.{d}e}".split("e") for d in (2, 1, 0)))
+    return next((t for t in (*fixed, *short) if len(t) <= width), f"{x:.0e}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,8 +225,8 @@ def parse_cluster(text):
         except ValueError:
             raise UsageError(f"--cluster {key}={value}: not {'a whole' if whole else 'a'} "
                              "number") from None
-        if not 0 < values[key] < float("inf"):
-            raise UsageError(f"--cluster {key}={value}: must be positive")
+        if not 1e-9 <= values[key] <= 1e21:  # (beyond: a step time overflows, inf or nan)
+            raise UsageError(f"--cluster {key}={value}: must be positive, from 1e-09 to 1e+21")
     return Cluster(**values)
 
 
