@@ -1271,8 +1271,8 @@ def check_step_agrees(zero):
         zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         zero.meter.sent("all_reduce", t)
         if t.sum() > 1:
-            raise RuntimeError("zero: ranks communicated different units in this step (did they "
-                               "compute with different parameters?): the step is not applied")
+            raise RuntimeError("zero: ranks communicated different units or orders (parameters "
+                               "used on some ranks only? docs/api.md): the step is not applied")
         missing = t.sum() == 1
     if zero.world > 1 and (missing or not zero.check_steps):
         t = torch.tensor(got, dtype=torch.uint8, device=device)
