@@ -1284,15 +1284,15 @@ def check_step_agrees(zero):
 
 
 def check_gradient(zero, p):
-    """Refused: a gradient after step() without zero_grad() (silently wrong), or a sparse one."""
+    """Refused: a gradient after step() without zero_grad(), a sparse one, a new p.data's."""
     if zero._reduced:
         raise RuntimeError("zero: backward() after step() or clip_grad_norm_(): call the "
                            "wrapped optimizer's zero_grad() first (not the model's)")
-    if p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
-        name = {q: n for n, q in zero.model.named_parameters()}[p]
-        raise RuntimeError(f"zero: {name} got a sparse gradient ({p.grad.layout}): zero.py "
-                           "reduces dense gradients in flat buffers; compute it densely "
-                           "(nn.Embedding and nn.EmbeddingBag: sparse=False)")
+    moved = p.untyped_storage().data_ptr() != p._zero_unit().flat.untyped_storage().data_ptr()
+    if moved or p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
+        raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]} " + (
+            "has new .data since wrap() (resized?): change the model, then wrap it" if moved else
+            f"got a sparse gradient ({p.grad.layout}): zero.py reduces dense ones; sparse=False"))
 
 
 def recomputing(zero, units):
