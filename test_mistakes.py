@@ -95,7 +95,8 @@ def test_the_mistakes_lab_command_line(ran, shared, refused, one_rank):
     assert all(len(line) <= 100 for line in lines), max(lines, key=len)
     assert (any(line.startswith("no-divide-sgd ") for line in lines)
             and lines[-1].startswith("wall time: "))
-    assert "  with the guard: RuntimeError: zero: ranks communicated different units or orders" in printed
+    assert ("  with the guard: RuntimeError: zero: ranks communicated different units or orders"
+            in printed)
     rows = json.load(open(os.path.join(shared, "mistakes.json")))
     assert [row["name"] for row in rows] == ["no-divide-sgd", "units-out-of-order"]
     assert all({"name", "stages", "measure", "wrong", "right", "why", "where"} <= set(row)
