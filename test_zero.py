@@ -1246,21 +1246,23 @@ def test_sparse_gradients_are_refused_by_name(one_rank, stage):
             zero.wrap(model, stage, optimizer)
         assert str(e.value).startswith(f"zero: {name} would get sparse gradients")
     model = SparseLookup()
-    zero.wrap(model, stage, optimizer)
+    opt = zero.wrap(model, stage, optimizer)  # kept: the hooks hold it weakly (gc may take it)
     with pytest.raises(RuntimeError) as e:
         model(torch.arange(B)).sum().backward()
     assert str(e.value).startswith("zero: table got a sparse gradient (torch.sparse_coo)")
+    del opt
 
 
 @pytest.mark.parametrize("stage", range(3))  # (stage 3: the resize itself is refused, sharded)
 def test_a_parameter_given_new_data_after_wrap_is_refused_by_name(one_rank, stage):
     # as transformers' resize_token_embeddings() does: the unit's view is gone, its shape too
     model = nn.Sequential(nn.Embedding(V, D), nn.Linear(D, V))
-    zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1))
+    opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1))  # (kept, as above)
     model[0].weight.data = torch.randn(V + 8, D)
     with pytest.raises(RuntimeError) as e:
         model(torch.arange(B)).sum().backward()
     assert str(e.value).startswith("zero: 0.weight has new .data since wrap()")
+    del opt
 
 
 class TwoDtypes(nn.Module):
