@@ -197,6 +197,10 @@ def test_cluster_estimate_assumes_a_shape_from_psi_where_none_is_given():
     out = main_printed(zero.main, ["--estimate", "--params", "7e9", "--world-size", "16",
                                    "--n-lay", "32", "--cluster", ""])  # (abbreviated)
     assert "32 layers of d_model 4288" in out and "d_model from Ψ and layers" in out
+    assert "note:" not in out  # (the shape given agrees with Ψ: SEVEN_B, above, too)
+    out = main_printed(zero.main, ["--estimate", "--params", "7e9", "--world-size", "16",
+                                   "--n-layer", "2", "--d-model", "256", "--cluster", ""])
+    assert "(note: --params is 4,450x the blocks' 12·layers·d_model² (embeddings?):" in out
 
 
 def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):
@@ -207,7 +211,8 @@ def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):
 
 def test_tradeoffs_refuses_what_it_would_not_apply():
     # --max-memory's limit stays with the process: the next stage's run would start under it
-    for argv in (["--max-memory", "1MB"], ["--ckpt-dir", "d"], ["--timeline", "t.svg"]):
+    for argv in (["--max-memory", "1MB"], ["--ckpt-dir", "d"], ["--timeline", "t.svg"],
+                 ["--stage", "2"], ["--sta=1"]):  # (every stage is trained: --stage had no say)
         error, _ = main_refused(zero.main, ["--tradeoffs", *argv, *MODEL])
         assert error and error.startswith("--tradeoffs trains every stage from the start: not "
                                           "with"), (argv, error)

@@ -49,11 +49,15 @@ PARAMS_MAX = 1e15  # --cluster: its time model goes layer by layer (1e24: a mill
 
 def command(args, argv):
     """zero.py --estimate [--cluster] or --tradeoffs: bad input is a UsageError first."""
+    names = [a.split("=")[0] for a in argv]
+    given = {flag for flag in ("--stage", "--n-layer", "--d-model", "--seq-len", "--batch-size")
+             if any(len(n) > 2 and flag.startswith(n) for n in names)}  # (or abbreviated)
     if args.tradeoffs:
         if args.estimate or args.consolidate or args.largest_model or args.timeline or \
-                args.timeline_all or args.ckpt_dir or args.resume_from or args.max_memory:
+                args.timeline_all or args.ckpt_dir or args.resume_from or args.max_memory or \
+                "--stage" in given:
             raise UsageError("--tradeoffs trains every stage from the start: not with "
-                             "--estimate, --consolidate, --largest-model, --timeline*, "
+                             "--stage, --estimate, --consolidate, --largest-model, --timeline*, "
                              "--ckpt-dir, --resume-from, --max-memory (one process's limit)")
         return tradeoff_table(args)
     if args.params is None or args.world_size is None:
@@ -63,9 +67,6 @@ def command(args, argv):
     if args.params < 1 or args.cluster is not None and args.params > PARAMS_MAX:
         raise UsageError(f"--params {args.params:g}: " + ("at least 1 parameter" if args.params < 1
                          else f"at most {PARAMS_MAX:g} parameters with --cluster"))
-    names = [a.split("=")[0] for a in argv]
-    given = {flag for flag in ("--stage", "--n-layer", "--d-model", "--seq-len", "--batch-size")
-             if any(len(n) > 2 and flag.startswith(n) for n in names)}  # (or abbreviated)
     cluster = None if args.cluster is None else parse_cluster(args.cluster)
     if cluster and args.world_size % min(cluster.gpus_per_node, args.world_size):
         raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "
@@ -256,12 +257,18 @@ def model_shape(args, given):
     elif "--n-layer" not in given:
         layers = max(1, round(psi / (12 * d * d)))
         assumed.append("layers from Ψ and d_model")
+    ratio = psi / (12 * layers * d * d)  # both given, and --params: do they describe one model?
+    note = [f"note: --params is {f'{ratio:,.0f}' if ratio >= 10 else f'{ratio:.2g}'}x the "
+            "blocks' 12·layers·d_model²" + " (embeddings?)" * (ratio > 1) + ":\n   Ψ sets the "
+            "FLOPs and bytes, the shape the activations"] * (
+        not 0.5 <= ratio <= 2 and {"--n-layer", "--d-model"} <= given)
     seq_len = args.seq_len if "--seq-len" in given else 2048
     rows = args.batch_size if "--batch-size" in given else 1
     assumed += ["seq_len 2048"] * ("--seq-len" not in given) + \
         ["1 row per rank"] * ("--batch-size" not in given)
     return argparse.Namespace(**{**vars(args), "n_layer": layers, "d_model": d,
-                                 "seq_len": seq_len, "batch_size": rows, "assumed": assumed})
+                                 "seq_len": seq_len, "batch_size": rows, "assumed": assumed,
+                                 "note": note})
 
 
 def predict_cluster(args, psi, world, cluster):
@@ -276,7 +283,8 @@ def predict_cluster(args, psi, world, cluster):
           f"micro-batch(es), bf16 with fp32 reductions, on N = {world} =\n"
           f"{max(world // c.gpus_per_node, 1)} node(s) x {min(c.gpus_per_node, world)} GPUs; "
           "times in ms per step" + "".join(f"\n  (assumed, not given: {a})"
-                                            for a in getattr(args, "assumed", [])) + "\n")
+                                            for a in getattr(args, "assumed", []))
+          + "".join(f"\n  ({n})" for n in getattr(args, "note", [])) + "\n")
     print(f"{'stage':<6}{'G':>5} {'ckpt':>5} {'model':>8} {'activ.':>8} {'total':>8} {'fits':>5} "
           f"{'compute':>8} {'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10}")
     rows = []
