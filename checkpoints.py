@@ -31,9 +31,8 @@ class CheckpointError(UsageError):
     """A checkpoint that does not fit (another model, a missing, truncated or corrupt file)."""
 
 
-def _digest(x):
-    text = json.dumps(x, sort_keys=True, default=str).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+def _canonical(x):  # the same text for equal values (a tensor: by its str)
+    return json.dumps(x, sort_keys=True, default=str)
 
 
 def _wide(t):
@@ -180,7 +179,7 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
                         t[a - lo:b - lo] = read(names[p], a - u.offset[p], b - u.offset[p], k)
             u.master.copy_(values.pop("master"))
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
-            if any(len({_digest(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
+            if any(len({_canonical(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
                 split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
             chunks = (t.split([piece.numel() for piece in u.pieces]) for t in values.values())
             for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
@@ -339,11 +338,10 @@ FORMAT = "zero.py sharded checkpoint, version 1"
 def writable(folder):
     """Whether this process can make a file in `folder`, tried (os.access says yes to root even
     where nobody can write, in /proc)."""
-    try:
+    with contextlib.suppress(OSError):
         tempfile.TemporaryFile(dir=folder).close()
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def _atomic_write(path, write):
@@ -444,10 +442,8 @@ def choose_checkpoint(root, device):
     """latest_checkpoint(root) as rank 0 sees it, on every rank (a collective). Each rank listing
     root on its own could resume two ranks from two checkpoints, when one completes between their
     listings."""
-    mine = -1
     with _agreed(device):  # (rank 0's CheckpointError, on every rank: it cannot list root)
-        if dist.get_rank() == 0:
-            mine = max(_steps(root), default=-1)
+        mine = max(_steps(root), default=-1) if dist.get_rank() == 0 else -1
     step = _all_ranks([mine], device)[0][0]  # rank 0's, on every rank
     return None if step < 0 else os.path.join(root, f"step_{step:08d}")
 
@@ -535,12 +531,13 @@ def _rotate(root, step, keep):
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
     directories of saves killed midway (_partial: this one's is renamed by now)."""
     found = sorted(_steps(root))  # (the one just written among them, unless removed since)
-    oldest = min(found[-keep:], default=step)  # the oldest kept
+    kept = found[max(len(found) - keep, 0):]  # (keep=0: none but `step`; found[-0:] is all)
+    oldest = min(kept, default=step)  # the oldest kept
     for name in os.listdir(root):
         s = _step_of(name.removesuffix(".partial"))
         if s is not None and (name.endswith(".partial") or s < oldest and s != step):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    for s in {*found[-keep:], step}:  # the ones kept: _atomic_write's NAME.tmp<pid> files
+    for s in {*kept, step}:  # the ones kept: _atomic_write's NAME.tmp<pid> files
         for leftover in pathlib.Path(root, f"step_{s:08d}").glob("*.tmp[0-9]*"):
             leftover.unlink()  # (an error ends the rotation, which _commit lets pass)
 

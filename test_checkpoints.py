@@ -788,6 +788,8 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     assert not leftover.exists() and not torn.exists()
     checkpoints.save_checkpoint(opt, str(root), 12)
     assert sorted(os.listdir(root)) == sorted(["step_00000008", "step_00000012", *odd])
+    checkpoints.save_checkpoint(opt, str(root), 16, keep=0)  # none older: it kept them all
+    assert sorted(os.listdir(root)) == sorted(["step_00000016", *odd])
 
 
 def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):

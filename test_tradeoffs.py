@@ -228,6 +228,15 @@ def test_the_tables_waiting_is_the_median_steps_own():
     assert (row["step"], row["waiting"]) == (2.0, 0.1)
 
 
+def test_an_estimate_under_torchrun_is_printed_once(monkeypatch, capsys):
+    # --estimate starts no process group: each rank would print it; rank 0 does, bad input on all
+    monkeypatch.setenv("RANK", "1")
+    assert zero.main(SEVEN_B + ["--cluster", ""]) in (0, None) and capsys.readouterr().out == ""
+    assert main_refused(zero.main, SEVEN_B + ["--cluster", "flops=0"])[0].startswith("--cluster")
+    monkeypatch.setenv("RANK", "0")
+    assert "verdict: stage" in main_printed(zero.main, SEVEN_B + ["--cluster", ""])
+
+
 def test_an_estimate_takes_any_context_length():
     # --estimate reads no data: a sequence longer than the demo's corpus is an estimate's to make
     long = main_printed(zero.main, SEVEN_B + ["--cluster", "", "--seq-len", "262144"])

@@ -30,7 +30,7 @@ What it uses of zero.py: the formulas (memory_formula, comm_formula), train() an
 the collectives (all_gather, reduce_scatter), the demo GPT, adamw() and PIECE; memory.py's _si
 (bytes as text). zero.py imports this file at the flags that need it.
 """
-import argparse, dataclasses, statistics, time
+import argparse, dataclasses, os, statistics, time
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,8 @@ def command(args, argv):
     if cluster and args.world_size % min(cluster.gpus_per_node, args.world_size):
         raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "
                          f"--world-size {args.world_size}")
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 prints (a formula needs no group)
+        return
     estimate(args.params, args.world_size, args.shard_size,
              [args.stage] if "--stage" in given else range(4), args.grad_accum)
     if cluster is not None:
