@@ -48,10 +48,9 @@ def memory_size(text):
     1MB: what threads the runtime still starts need (their stacks count; below it one can abort
     the process, in glibc)."""
     number = text.strip().rstrip("BbIiKkMmGgTt ")
-    try:
+    size = float("nan")  # unless the text reads as a number and a unit
+    with contextlib.suppress(ValueError, KeyError):
         size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
-    except (ValueError, KeyError):
-        size = float("nan")
     if size != size:  # not a number, or NaN
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB")
     if not 10**6 <= size < 2**62:
@@ -125,24 +124,23 @@ def raise_if_out_of_memory(e, args, model, progress):
     unlimit_memory()  # the line below needs memory too: under the limit it failed again
     world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())
     G, need = args.shard_size or world, _formula(args, args.stage, psi, world)
-    raise OutOfMemory(
-        f"rank {dist.get_rank()}: out of memory in " + f"step {progress.step}, " * bool(
-            progress.step) + progress.what + (f" (--max-memory {_si(args.max_memory)}B)"
-                                              if args.max_memory else "")
-        + f"; stage {args.stage}'s formula: its model state alone is {_si(need)}B per rank "
-        f"(Ψ = {psi:,}, N = {world}" + (f", G = {G})" if G < world else ")")) from None
+    where = (f"step {progress.step}, " if progress.step else "") + progress.what
+    limit = f" (--max-memory {_si(args.max_memory)}B)" if args.max_memory else ""
+    raise OutOfMemory(f"rank {dist.get_rank()}: out of memory in {where}{limit}; stage {args.stage}"
+                      f"'s formula: its model state alone is {_si(need)}B per rank (Ψ = {psi:,}, "
+                      f"N = {world}" + (f", G = {G})" if G < world else ")")) from None
 
 
 def report_limit(res, args):
     """The report's line under --max-memory: what the ranks used above their runtime. Not model
     state: at least the used peak less the sum of each kind's peak (peaks of other moments)."""
     state, used = sum((res["peak"] or {}).values()), res["used"]
+    rest = (f"at least {_si(used - state)}B of it not model state" if used >= state else
+            f"less than the model state ({_si(state)}B): it took memory the runtime had freed")
+    # (the latter: small tensors, in the heap: VmData did not grow)
+    runtime = f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else ""
     log0(f"--max-memory {_si(args.max_memory)}B per rank: at most {_si(used)}B used above the "
-         "runtime, " + (f"at least {_si(used - state)}B of it not model state" if used >= state else
-                        f"less than the model state ({_si(state)}B): it took memory the runtime "
-                        "had freed")  # (small tensors, in the heap: VmData did not grow)
-         + (f"; the runtime itself {_si(res['runtime'])}B" if res["runtime"] > 0 else "")
-         + " (largest over the ranks)")
+         f"runtime, {rest}{runtime} (largest over the ranks)")
 
 
 class Progress:
