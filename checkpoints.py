@@ -18,7 +18,7 @@ needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --co
 --init-from.
 """
 import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shutil, sys, \
-    tempfile, warnings
+    tempfile, warnings, zipfile
 
 import torch
 import torch.distributed as dist
@@ -1090,9 +1090,13 @@ def read_state_dict(path, device=None):
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a missing file, or one that is not a state_dict file of tensors
-        # (the loader's message, its lines as one)
-        raise UsageError(f"--init-from {path}: not a state_dict file that can be read "
-                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        # (the loader's message, its lines as one; torch's for a file not a zip: mmap's)
+        old = os.path.isfile(path) and not path.endswith(".safetensors") and \
+            not zipfile.is_zipfile(path)  # (torch 1.5's torch.save, or not torch's at all)
+        why = "not the zip file torch.save writes; a legacy-format one: torch.load it and save " \
+            "it again" if old else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        raise UsageError(f"--init-from {path}: not a state_dict file that can be read ({why})") \
+            from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
     return state

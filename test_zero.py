@@ -2064,7 +2064,8 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--ckpt-dir", ""], "--ckpt-dir '': an empty name"),  # (else: no checkpoints)
              (["--consolidate", ""], "--consolidate '': an empty name"),  # (else: training)
              (["--lr", "1e39"], "beyond float32's range"),
-             (["--init-from", str(afile)], "not a state_dict file that can be read"),
+             (["--init-from", str(afile)], "not a state_dict file that can be read (not the "
+              "zip file torch.save writes; a legacy-format one: torch.load it"),  # (not mmap's)
              (["--shard-size", "2"], "must divide the world size 1"),
              (["--data", str(afile)], f"--data {afile} has 0 bytes: too few for a row"),
              (["--resume-from", str(afile / "x")], "no such file or directory"),
