@@ -734,8 +734,9 @@ def test_nonfinite_steps_are_never_applied_nor_saved(one_rank, tmp_path, capsys)
     # --skip-nonfinite: those steps are skipped, the weights and optimizer state stay step 1's
     ckpt = tmp_path / "skip"
     zero.main([*TINY, "--steps", "6", "--lr", "1e4", "--ckpt-dir", str(ckpt), "--ckpt-every", "1",
-               "--skip-nonfinite"])
+               "--skip-nonfinite", "--timeline", str(tmp_path / "t.svg")])
     assert "5 step(s) of 6 skipped" in capsys.readouterr().out
+    assert (tmp_path / "t.svg").exists()  # step 6's, skipped: its events up to the step drawn
     five, six = (checkpoints.read_checkpoint(ckpt / f"step_0000000{s}")[1][0] for s in (5, 6))
     assert all(torch.equal(a["master"], b["master"]) for a, b in zip(five["units"], six["units"]))
     assert ([s["step"] for s in five["param_scalars"].values()]

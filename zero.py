@@ -1633,7 +1633,7 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
             progress.note("the optimizer step")
             with counted:
                 opt.step()
-            timeline = _memory().stop_timeline(opt) if step == args.record_step else timeline
+        timeline = _memory().stop_timeline(opt) if step == args.record_step else timeline
         skipped += bool(bad)
         progress.note("after the optimizer step")
         mem = opt.memory_breakdown()  # after the step, before zero_grad: every kind of state held
