@@ -240,7 +240,7 @@ def _written(zero):
     """In mixed precision the masters take what was written to the parameters since the last
     step (keep_writes, which step() runs first): a save between steps must hold it too."""
     if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
-        keep_writes(zero)
+        keep_writes(zero, units=zero.units)
 
 
 def full_state_dict(zero):
@@ -546,6 +546,13 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     """Write opt's checkpoint for `step` under root (every rank calls this; a collective). If a
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
+    # Refused on every rank alike (rank 0 failing alone at its manifest leaves the others waiting)
+    if type(step) is not int or step < 0:
+        raise ValueError(f"zero: save_checkpoint's step must be an int, 0 or more, not {step!r}")
+    try:
+        json.dumps(extra or {})  # (rank 0 writes it into the manifest)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"zero: save_checkpoint's extra must hold what JSON does: {e}") from None
     device = opt.units[0].flat.device
     path, tmp = _partial(root, step, device)
     # the part this rank writes: its rank, if G = N

@@ -793,6 +793,17 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     assert sorted(os.listdir(root)) == sorted(["step_00000016", *odd])
 
 
+def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp_path):
+    # rank 0 alone failed at its manifest (json.dumps), the others waited in a collective
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    for step, extra, message in [("5", None, "step must be an int, 0 or more, not '5'"),
+                                 (-1, None, "step must be an int, 0 or more, not -1"),
+                                 (3, {"rng": torch.ones(2)}, "extra must hold what JSON does")]:
+        with pytest.raises(ValueError, match="^zero: save_checkpoint's " + re.escape(message)):
+            checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), step, extra)
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     model, opt = wrapped(0, 1, "adamw", seed=100)

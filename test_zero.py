@@ -1265,6 +1265,17 @@ def test_a_parameter_given_new_data_after_wrap_is_refused_by_name(one_rank, stag
     del opt
 
 
+@pytest.mark.parametrize("stage", range(4))
+def test_a_step_of_the_torch_optimizer_alone_is_refused(one_rank, stage):
+    # its pieces get their .grad in the wrapped step() only: it stepped nothing, silently
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, V))
+    opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1))
+    model(torch.randn(B, D)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^zero: step the wrapped optimizer, opt.step\(\)"):
+        opt.optimizer.step()
+    opt.step()  # (the wrapped one steps it, as before)
+
+
 class TwoDtypes(nn.Module):
     """A float64 layer, then a float32 one: buckets must not mix them (one flat buffer, one
     dtype)."""

@@ -813,8 +813,7 @@ def replicate_the_rest(zero):
     if zero.mixed_precision:
         for _, p in zero.frozen:
             p.data = p.data.to(dtype)
-        def cast_in(a):
-            return a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+        def cast_in(a): return a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
         for m in [zero.model] + zero.unit_modules:  # (inputs given by keyword too, as HF passes)
             m.register_forward_pre_hook(lambda module, args, kwargs: (tuple(map(cast_in, args)), {
                 k: cast_in(v) for k, v in kwargs.items()}), with_kwargs=True)
@@ -874,11 +873,9 @@ class Prefetch:
         self.calls.append(units)
         self._gather(self.open[-1] + 1)
 
-    def forward_done(self):
-        return self.open.pop()
+    def forward_done(self): return self.open.pop()
 
-    def backward_started(self, call):
-        self._gather(call - 1)
+    def backward_started(self, call): self._gather(call - 1)
 
     def _gather(self, call):
         if self.zero.overlap and self.order and 0 <= call < len(self.order):
@@ -935,8 +932,7 @@ def optimizer_of_pieces(zero, make):
                          "given, in one group: each rank steps flat pieces of its shard")
     hyper = {k: v for k, v in opt.param_groups[0].items() if isinstance(v, (float, int, tuple))}
     same_on_every_rank({"optimizer": type(opt).__name__, **hyper}, zero.device, "zero: ")
-    if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
-        opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
+    opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
     return opt
 
 
@@ -987,8 +983,7 @@ class _Pending:
     def __init__(self, works, finish=None, buffers=(), early=True):
         self.works, self.finish, self.buffers, self.early = works, finish, buffers, early
 
-    def is_completed(self):
-        return self.early and all(w.is_completed() for w in self.works)
+    def is_completed(self): return self.early and all(w.is_completed() for w in self.works)
 
     def wait(self):
         for w in self.works:
@@ -1002,8 +997,7 @@ class GlooCPU:
     """Part I's reduce_scatter and all_gather on gloo with CPU tensors (DIRECT)."""
 
     @staticmethod
-    def used_for(x):
-        return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
+    def used_for(x): return DIRECT and x.device.type == "cpu" and dist.get_backend() == "gloo"
 
     @staticmethod
     def reduce_scatter(out, x, async_op, group=None):
@@ -1041,7 +1035,13 @@ def cast(unit, dtype):
 
 def keep_writes(zero, *_, units=None):
     """The masters take the elements written to the parameters (p.data.clamp_(), nn.init, in
-    gathered(writeback=True)): those unlike their masters rounded. Before each step, stages 0-2."""
+    gathered(writeback=True)), those unlike their masters rounded: before each step (mixed
+    precision, stages 0-2). Refused: a step of the torch optimizer alone (no .grad outside it)."""
+    if units is None and all(u.step_grad is None for u in zero.units):
+        raise RuntimeError("zero: step the wrapped optimizer, opt.step(): opt.optimizer.step() "
+                           "would step nothing (its tensors get their gradients in opt.step())")
+    if units is None and not (zero.mixed_precision and zero.stage < 3):  # (stage 3 refuses
+        return  # writes outside gathered())
     for u in zero.units if units is None else units:
         for lo in range(0, u.master.numel(), zero.piece):
             new, master = u.shard[lo:lo + zero.piece], u.master[lo:lo + zero.piece]
@@ -1779,8 +1779,7 @@ class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
+    def error(self, message): raise UsageError(message)
 
 
 def positive(kind):
