@@ -1960,7 +1960,7 @@ def run(main, argv=None):
             raise  # (anything else: a bug)
         else:  # another rank died or a collective waited past --timeout: one line
             code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, "
-                             "another rank is gone or --timeout passed "
+                             "another rank is gone or the group's timeout (--timeout) passed "
                              f"({str(e).strip().splitlines()[0][:200]})")
     except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
         code, line = 4, f"error: {e}"
