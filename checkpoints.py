@@ -240,7 +240,7 @@ def _written(zero):
     """In mixed precision the masters take what was written to the parameters since the last
     step (keep_writes, which step() runs first): a save between steps must hold it too."""
     if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
-        keep_writes(zero, units=zero.units)
+        keep_writes(zero)
 
 
 def full_state_dict(zero):

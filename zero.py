@@ -932,8 +932,16 @@ def optimizer_of_pieces(zero, make):
                          "given, in one group: each rank steps flat pieces of its shard")
     hyper = {k: v for k, v in opt.param_groups[0].items() if isinstance(v, (float, int, tuple))}
     same_on_every_rank({"optimizer": type(opt).__name__, **hyper}, zero.device, "zero: ")
-    opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
+    opt.register_step_pre_hook(functools.partial(refuse_a_step_alone, weakref.proxy(zero)))
+    if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
+        opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
     return opt
+
+
+def refuse_a_step_alone(zero, *_):  # the torch optimizer's step: its pieces have no .grad then
+    if all(u.step_grad is None for u in zero.units):  # (set in the wrapped step() only)
+        raise RuntimeError("zero: step the wrapped optimizer, opt.step(): opt.optimizer.step() "
+                           "would step nothing (its tensors get their gradients in opt.step())")
 
 
 def cut_pieces(zero, u, per_parameter):
@@ -969,8 +977,7 @@ def split_pieces(zero, units):
 # Speed 4: gloo's reduce_scatter_tensor and all_gather_into_tensor on CPU are slower than its
 # all-reduce (fsdp_demo.py --bench). So (DIRECT) reduce-scatter = an all_to_all + a local sum (the
 # price: its receive buffer, as large as the input), all-gather = N broadcasts: a ring's bytes.
-# (gloo's reduce, N of them, would need no buffer, but each sends about the whole of its slice.)
-# Other backends, CUDA tensors and DIRECT = False: torch's own calls.
+# (N gloo reduces would need no buffer, but each sends about its whole slice.) Else: torch's own.
 DIRECT = True
 # torch 2.13 warns on the names every torch >= 2.6 has (and every tutorial uses): silenced.
 RENAMED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
@@ -1035,13 +1042,7 @@ def cast(unit, dtype):
 
 def keep_writes(zero, *_, units=None):
     """The masters take the elements written to the parameters (p.data.clamp_(), nn.init, in
-    gathered(writeback=True)), those unlike their masters rounded: before each step (mixed
-    precision, stages 0-2). Refused: a step of the torch optimizer alone (no .grad outside it)."""
-    if units is None and all(u.step_grad is None for u in zero.units):
-        raise RuntimeError("zero: step the wrapped optimizer, opt.step(): opt.optimizer.step() "
-                           "would step nothing (its tensors get their gradients in opt.step())")
-    if units is None and not (zero.mixed_precision and zero.stage < 3):  # (stage 3 refuses
-        return  # writes outside gathered())
+    gathered(writeback=True)): those unlike their masters rounded. Before each step, stages 0-2."""
     for u in zero.units if units is None else units:
         for lo in range(0, u.master.numel(), zero.piece):
             new, master = u.shard[lo:lo + zero.piece], u.master[lo:lo + zero.piece]
