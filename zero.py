@@ -104,8 +104,8 @@ class Unit:
         # Set by each stage's _shard (stage 0: all of flat, a full gradient), master by __init__:
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
-        self.grad = None              # [N*S] the gradient buffer (stage 1, once reduced: its
-                                      # [S] slice holds the sum, the rest zeros)
+        self.grad = None              # [N*S] the gradient buffer (stages 2, 3: during backward
+                                      # only; stage 1, once reduced: [S] the sum, the rest 0)
         self.grad_shard = None        # the gradient of the elements stepped: the sum, then / N
         self.step_grad = None         # ... in the master's dtype, during step() only
         # What backward has done with it so far:
@@ -113,7 +113,7 @@ class Unit:
         self.received = set()         # ... since zero_grad() (step() steps what any rank got)
         self.unreduced = False        # it holds local gradients that no reduction has summed yet
         # p unused here (stages 0, 1): count_unused adds it, its slice reduced as zeros; that holds
-        # the others' mean, which step() (settle_unused) shows as p.grad if a rank used p, as DDP
+        # the others' mean, which _reduce_grads (settle_unused) shows as p.grad if some rank used p
         self.hidden = set()
         self.index = None             # its place in the model's list of units
 
@@ -243,7 +243,7 @@ class DataParallel:
         self._land_reductions()  # the end of backward is where overlap waits
 
     def _reduce_unit(self, unit):
-        count_unused(self, unit)  # stages 0, 1: a parameter without a gradient counts as zeros
+        count_unused(self, unit)  # (acts at stages 0, 1) a parameter without a gradient: zeros
         g = unit.grad if self.reduce_dtype is None else unit.grad.to(self.reduce_dtype)
         unit.unreduced = False
         work, result = self._reduce(unit, g)  # launched: it runs while backward goes on
@@ -281,7 +281,7 @@ class DataParallel:
             if unit.unreduced:
                 self._reduce_unit(unit)
             else:
-                count_unused(self, unit)  # local: zero what no gradient overwrote (checks)
+                count_unused(self, unit)  # stages 0, 1: zero the slice of a p with no gradient
         self._land_reductions()
         # One or two small all-reduces (checks): every rank reduced the same units; which ones
         # got a gradient on some rank: step() steps those only, as torch skips a parameter whose
@@ -359,8 +359,8 @@ class ZeRO1(DataParallel):
         unit.grad_shard = unit.grad[unit.my_slice]  # and its [S] of the gradient: views, no copy
 
     def _reduce(self, unit, g):
-        # Half the all-reduce (the other half comes after the step, on the parameters), in
-        # place: the input is the full [N*S] gradient, the output this rank's [S] slice of it.
+        # Half the all-reduce (the other half comes after the step, on the parameters), in place:
+        # the input is the full [N*S] gradient g (or its reduce_dtype copy), the output g's [S].
         self.meter.sent("reduce_scatter", g, unit)
         mine = g[unit.my_slice]
         return reduce_scatter(mine, g, async_op=True, group=self.group), mine
@@ -402,8 +402,8 @@ class ZeRO1(DataParallel):
 class ZeRO2(ZeRO1):
     """Changes vs ZeRO1: the full gradient no longer lives between steps. As soon as backward has
     produced every gradient of a unit, that unit's gradient is reduce-scattered, this rank adds
-    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (two in flight
-    at most: max_in_flight). Memory 2Ψ + 14Ψ/N (paper); communication unchanged, but the
+    its [S] into a persistent gradient shard, and the full [N*S] buffer is freed (one in flight
+    as the next fills: max_in_flight). Memory 2Ψ + 14Ψ/N (paper); communication unchanged, but the
     reduce-scatters must run during backward (stage 1 runs them there only to overlap).
 
     Timing is the whole point: a "ZeRO-2" that reduce-scatters after backward has finished holds
@@ -508,7 +508,7 @@ class ZeRO3(ZeRO2):
         tensors = [t for t in output_tensors(output) if t.requires_grad]  # (Part II, units)
         for u in units:
             u.users -= 1
-            # Kept till backward ends: the root, and a unit whose output has no tensor to hook
+            # Kept into backward, till reduced: the root, a unit whose output has no tensor to hook
             keep = training and (not u.modules or not tensors)
             if u.users == 0 and not keep:
                 self._free(u)
