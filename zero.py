@@ -310,7 +310,7 @@ class DataParallel:
         # The hand-off: the optimizer steps pieces of each unit's master (views of it), and a
         # piece's .grad is the same slice of grad_shard, the mean gradient (an fp32 copy in
         # mixed precision); None where no rank gave its parameters one, as torch skips such a
-        # tensor.
+        # tensor (a piece's parameters all have one or none: _reduce_grads re-cut it if not).
         for u in self.units:
             u.step_grad = u.grad_shard.to(u.master.dtype)  # (the same tensor if not mixed)
             grads = u.step_grad.split([t.numel() for t in u.pieces])
