@@ -1261,20 +1261,20 @@ def check_step_agrees(zero):
     params = [p for u in zero.units for p in u.params]
     got = [p in u.received for u in zero.units for p in u.params]
     device, missing = zero.units[0].flat.device, not all(got)
-    if zero.world > 1 and zero.check_steps:
-        trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
-        t = torch.tensor([trace + missing, -trace], device=device)
+
+    def max_over_ranks(t):  # in place, waited and counted as the algorithm's collectives
         zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         zero.meter.sent("all_reduce", t)
+        return t
+    if zero.world > 1 and zero.check_steps:
+        trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
+        t = max_over_ranks(torch.tensor([trace + missing, -trace], device=device))
         if t.sum() > 1:
             raise RuntimeError("zero: ranks communicated different units or orders (parameters "
                                "used on some ranks only? docs/api.md): the step is not applied")
         missing = t.sum() == 1
     if zero.world > 1 and (missing or not zero.check_steps):
-        t = torch.tensor(got, dtype=torch.uint8, device=device)
-        zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
-        zero.meter.sent("all_reduce", t)
-        got = t.tolist()
+        got = max_over_ranks(torch.tensor(got, dtype=torch.uint8, device=device)).tolist()
     zero.meter.trace = 0
     return settle_unused(zero, {p for p, g in zip(params, got) if g})
 
