@@ -585,9 +585,8 @@ def setup(backend=None, device=None, timeout_s=600):
     timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
     # torchrun's store (_attempt_store); plain `python zero.py`: a group of one, the same code
     store = _attempt_store(timeout) if "RANK" in os.environ else dist.HashStore()
-    dist.init_process_group(backend, store=store, timeout=timeout,
-                            rank=int(os.environ.get("RANK", 0)),
-                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    dist.init_process_group(backend, store=store, timeout=timeout, rank=int(os.environ.get(
+        "RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
     return dist.get_rank(), dist.get_world_size(), dev
 
 
@@ -1008,11 +1007,10 @@ class GlooCPU:
 
     @staticmethod
     def reduce_scatter(out, x, async_op, group=None):
-        S, world = out.numel(), dist.get_world_size(group)
         received = torch.empty_like(x)  # row j: rank j's slice for this rank
+        rows = received.view(dist.get_world_size(group), out.numel())
         work = dist.all_to_all_single(received, x, async_op=True, group=group)
-        pending = _Pending([work], lambda: torch.sum(received.view(world, S), 0, out=out),
-                           [received])
+        pending = _Pending([work], lambda: torch.sum(rows, 0, out=out), [received])
         return pending if async_op else pending.wait()
 
     @staticmethod
@@ -1079,8 +1077,8 @@ class Meter:
     """Bytes sent (zero.comm) and held at the most (zero.peak); waited(): seconds of waiting."""
 
     def __init__(self, zero):
-        self.zero, self.now, self.held, self.trace = zero, Counter(), {}, 0
-        self.timeline = None  # while one step is recorded: memory.Timeline (--timeline)
+        # timeline: while one step is recorded, memory.Timeline (--timeline)
+        self.zero, self.now, self.held, self.trace, self.timeline = zero, Counter(), {}, 0, None
         zero.comm, zero.peak, zero.build_peak = Counter(), Counter(), Counter()
         self.seconds, self.events, self.cuda = 0.0, [], zero.device.type == "cuda"
 
@@ -1161,10 +1159,9 @@ STAGE_NAMES = ["data parallel: nothing sharded", "ZeRO-1: optimizer state sharde
 
 def memory_formula(stage, psi, world, param_bytes=4, grad_bytes=4, optim_bytes=8, shard_size=None):
     """Model-state bytes per rank, sharded over N (or G) ranks; fp32 AdamW's by default."""
-    n = shard_size or world
-    return {"params": param_bytes * psi / (n if stage >= 3 else 1),
-            "grads": grad_bytes * psi / (n if stage >= 2 else 1),
-            "optimizer": optim_bytes * psi / (n if stage >= 1 else 1)}
+    # each kind sharded over N (or G) from the stage given with it
+    return {kind: b * psi / ((shard_size or world) if stage >= s else 1) for kind, b, s in (
+        ("params", param_bytes, 3), ("grads", grad_bytes, 2), ("optimizer", optim_bytes, 1))}
 
 
 def formula_symbols(stage, n, pb, gb, ob):  # memory_formula's, as text: {"params": "4Ψ/N"...}
@@ -1193,9 +1190,8 @@ def comm_formula(stage, psi, world, gather_bytes=4, reduce_bytes=4, micro_batche
 
 def _all_ranks(row, device, dtype=torch.int64):
     """Every rank's `row` (as many numbers on each), in rank order: one small all-gather."""
-    mine = torch.tensor(row, dtype=dtype, device=device)
     every = torch.empty(dist.get_world_size() * len(row), dtype=dtype, device=device)
-    all_gather(every, mine)
+    all_gather(every, torch.tensor(row, dtype=dtype, device=device))
     return every.view(dist.get_world_size(), len(row)).tolist()
 
 
@@ -1254,32 +1250,31 @@ def check_step_agrees(zero):
     # Ranks that computed with other units of the same size pair the wrong buffers silently. So a
     # 16-byte MAX all-reduce compares fingerprints (Meter.sent), even, +1 if a parameter got no
     # gradient here: max(trace + bit) + max(-trace) is 0 or 1 if they agree; 1: a second says which
-    for name, p in zero.frozen:  # (frozen after wrap(): step() leaves it, as torch)
-        if p.requires_grad:
-            raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
-                               "shards and steps the parameters trainable then; build the model "
-                               "with it trainable and wrap it again")
-    for u in zero.units:
-        if getattr(u, "users", 0):
-            raise RuntimeError(f"zero: unit {u.index} is still gathered by a forward that did not "
-                               "finish (or a gathered() block): step() would leave it stale")
+    # (frozen after wrap(): step() leaves it, as torch)
+    for name in [name for name, p in zero.frozen if p.requires_grad]:
+        raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
+                           "shards and steps the parameters trainable then; build the model "
+                           "with it trainable and wrap it again")
+    for u in [u for u in zero.units if getattr(u, "users", 0)]:
+        raise RuntimeError(f"zero: unit {u.index} is still gathered by a forward that did not "
+                           "finish (or a gathered() block): step() would leave it stale")
     params = [p for u in zero.units for p in u.params]
     got = [p in u.received for u in zero.units for p in u.params]
     device, missing = zero.units[0].flat.device, not all(got)
-    if zero.world > 1 and zero.check_steps:
-        trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
-        t = torch.tensor([trace + missing, -trace], device=device)
+
+    def max_over_ranks(t):  # in place, waited and counted as the algorithm's collectives
         zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         zero.meter.sent("all_reduce", t)
+        return t
+    if zero.world > 1 and zero.check_steps:
+        trace = zero.meter.trace // 4 * 2  # even, and its negative fits in 64 bits
+        t = max_over_ranks(torch.tensor([trace + missing, -trace], device=device))
         if t.sum() > 1:
             raise RuntimeError("zero: ranks communicated different units or orders (parameters "
                                "used on some ranks only? docs/api.md): the step is not applied")
         missing = t.sum() == 1
     if zero.world > 1 and (missing or not zero.check_steps):
-        t = torch.tensor(got, dtype=torch.uint8, device=device)
-        zero.meter.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
-        zero.meter.sent("all_reduce", t)
-        got = t.tolist()
+        got = max_over_ranks(torch.tensor(got, dtype=torch.uint8, device=device)).tolist()
     zero.meter.trace = 0
     return settle_unused(zero, {p for p, g in zip(params, got) if g})
 
@@ -1504,8 +1499,7 @@ def box(rows):
     return "\n".join([line, *(f"| {k:<{width[0]}} | {v!s:<{width[1]}} |" for k, v in rows), line])
 
 
-def adamw(args):
-    return functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
+def adamw(args): return functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
 
 
 def log0(*a, **k):
@@ -1546,8 +1540,8 @@ def zero_build(args):
     return build
 
 
-def bytes_per_parameter(args):  # params, grads, optimizer: the paper's in bf16, else fp32 AdamW
-    return (2, 2, 12) if args.bf16 else (4, 4, 8)
+# params, grads, optimizer: the paper's in bf16, else fp32 AdamW
+def bytes_per_parameter(args): return (2, 2, 12) if args.bf16 else (4, 4, 8)
 
 
 def train(args, build=None, keep_params=False, quiet=False):
@@ -1655,11 +1649,10 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
     # Every rank's measurements, the largest over the ranks (-1: not measured)
     cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    peak, built = getattr(opt, "peak", {}), getattr(opt, "build_peak", {})
-    mine = {**{("mem", k): v for k, v in mem.items()},
-            **{("peak", k): peak.get(k, -1) for k in mem},
-            **{("build_peak", k): built.get(k, -1) for k in mem}, "cuda_peak": cuda_peak,
-            "runtime": runtime, "used": progress.used() if device.type == "cpu" else  # (what
+    held = {"mem": mem, **{kind: getattr(opt, kind, {}) for kind in ("peak", "build_peak")}}
+    mine = {**{(kind, k): d.get(k, -1) for kind, d in held.items() for k in mem},
+            "cuda_peak": cuda_peak, "runtime": runtime,
+            "used": progress.used() if device.type == "cpu" else  # (what
             torch.cuda.max_memory_reserved(device),  # set_per_process_memory_fraction limits)
             "per_block": progress.per_block()}
     ranks = [dict(zip(mine, row)) for row in _all_ranks(list(mine.values()), device)]
@@ -1672,7 +1665,7 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
            "cuda_peak": [r["cuda_peak"] for r in ranks] if cuda_peak >= 0 else None,
            "full": opt.full_state_dict() if keep_params else None,
            **{key: most[key] for key in ("runtime", "used", "per_block")},
-           **{kind: {k: most[kind, k] for k in mem} for kind in ("mem", "peak", "build_peak")}}
+           **{kind: {k: most[kind, k] for k in mem} for kind in held}}
     res["peak"] = res["peak"] if res["peak"]["params"] >= 0 else None
     return res
 
@@ -1775,8 +1768,7 @@ class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows every option's default: its value, or what the help says None means."""
 
     def _get_help_string(self, action):
-        return action.help if "(default" in (action.help or "") else \
-            super()._get_help_string(action)
+        return action.help if "(default" in str(action.help) else super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -1926,8 +1918,7 @@ def main(argv=None):
         if getattr(args, flag) not in (None, False) and not getattr(args, only):
             raise UsageError(f"--{flag.replace('_', '-')} is for --{only}")
     if args.estimate or args.tradeoffs:
-        import tradeoffs  # a file of its own
-        tradeoffs.command(args, sys.argv[1:] if argv is None else argv)
+        _tradeoffs().command(args, sys.argv[1:] if argv is None else argv)
     elif args.consolidate:
         _checkpoints().consolidate_command(args)
     elif args.largest_model:
@@ -1945,7 +1936,7 @@ def main(argv=None):
 
 def run(main, argv=None):
     """Run main() or main(argv): bad input, divergence, out of memory: one line, exit 2, 3, 4."""
-    code, prog = 0, os.path.basename(sys.argv[0])
+    code, line, prog = 0, "", os.path.basename(sys.argv[0])
     rank0 = os.environ.get("LOCAL_RANK", "0") == "0"  # one line a node (ranks raise alike)
     try:
         main(argv) if inspect.signature(main).parameters else main()
@@ -1956,8 +1947,7 @@ def run(main, argv=None):
             code, line = 2, f"error: {str(e)[len('zero: '):]}" * rank0
         elif isinstance(e, ValueError) or not isinstance(e, dist.DistError) and not any(
                 m in str(e).lower() for m in ("gloo/transport", "connection reset", "nccl",
-                                              "connection closed", "timed out", "timeout",
-                                              "pair closure")):
+                "connection closed", "timed out", "timeout", "pair closure")):
             raise  # (anything else: a bug)
         else:  # another rank died or a collective waited past --timeout: one line
             code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, "
@@ -1970,8 +1960,6 @@ def run(main, argv=None):
             argv or sys.argv))  # (argparse takes abbreviations: --ckpt-e is --ckpt-every)
         code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
                            ckpt) * rank0
-    else:
-        line = ""
     if line:
         say(f"{prog}: {line}")
     if dist.is_initialized() and code not in (1, 4, 130):
@@ -1984,10 +1972,10 @@ def run(main, argv=None):
     sys.exit(code)
 
 
-# _checkpoints(), _memory(), _hybrid(), _meta_init(): checkpoints.py, memory.py, hybrid.py and
-# meta_init.py, files of their own, imported when needed
-_checkpoints, _memory, _hybrid, _meta_init = (functools.partial(__import__, name) for name in (
-    "checkpoints", "memory", "hybrid", "meta_init"))
+# _checkpoints(), _memory(), _hybrid(), _meta_init(), _tradeoffs(): checkpoints.py, memory.py,
+# hybrid.py, meta_init.py and tradeoffs.py, files of their own, imported when needed
+_checkpoints, _memory, _hybrid, _meta_init, _tradeoffs = (functools.partial(__import__, name)
+    for name in ("checkpoints", "memory", "hybrid", "meta_init", "tradeoffs"))
 
 
 def say(line):
