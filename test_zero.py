@@ -1212,8 +1212,11 @@ def test_stage3_refuses_values_read_outside_their_modules(one_rank):
     # A block's weight read by the root before the block computes: from the second step its unit
     # is prefetched then, its memory there and its values on the way (2 ranks: off by 1e-2,
     # silently); refused as when not prefetched. So is .T, a view of the values (a raw torch
-    # error before). A unit of zero elements is gathered as any other (refused before).
-    for read in (lambda m: m.blocks[0].weight, lambda m: m.blocks[1].weight.T):
+    # error before), and a weight inside a list or given by keyword (torch read the freed memory:
+    # a crash, or a raw error). A unit of zero elements is gathered as any other (refused before).
+    for read in (lambda m: m.blocks[0].weight, lambda m: m.blocks[1].weight.T,
+                 lambda m: torch.cat([m.blocks[0].weight]),
+                 lambda m: F.linear(input=torch.ones(D), weight=m.blocks[1].weight)):
         model = Reads()
         opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1),
                         units=[model.empty, *model.blocks])
@@ -1604,6 +1607,28 @@ def test_default_units_find_the_blocks_at_any_depth():
     # no repeated blocks: children
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LayerNorm(4))
     assert zero.default_units(flat) == [flat[0], flat[2]]
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(D))])
+        self.shifts = nn.ParameterDict({"a": nn.Parameter(torch.zeros(D))})
+
+    def forward(self, x):
+        return self.lin(x) * self.scales[0] + self.shifts["a"]
+
+
+def test_parameter_lists_and_dicts_stay_in_the_root(one_rank):
+    # They have no forward of their own: as units, stage 3 never gathered them and refused the
+    # forward that reads them. In the root, they train as the rest.
+    model = Scaled()
+    assert zero.default_units(model) == [model.lin]
+    opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))
+    model(torch.ones(B, D)).sum().backward()
+    opt.step()
+    assert opt.full_state_dict()["shifts.a"].eq(-0.1 * B).all()
 
 
 @scenario(2)

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `import zero`
     sys.modules.setdefault("zero", sys.modules[__name__])  # (checkpoints.py...) get this module
@@ -704,6 +705,7 @@ def default_units(model):
 def _trainable_children(module):
     return [u for child in module.children() for u in (
         _trainable_children(child) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else
+        [] if isinstance(child, (nn.ParameterList, nn.ParameterDict)) else  # (no forward: root's)
         [child] * any(p.requires_grad for p in child.parameters()))]
 
 
@@ -1201,7 +1203,7 @@ class ShardedParameter(nn.Parameter):
 
     METADATA = {"numel", "dim", "size", "stride", "storage_offset", "untyped_storage", "data_ptr",
                 "element_size", "is_contiguous", "register_post_accumulate_grad_hook",
-                "register_hook", "requires_grad_", "retain_grad", "__hash__",
+                "register_hook", "requires_grad_", "retain_grad", "__hash__", "grad", "backward",
                 "is_floating_point", "is_complex", "is_signed", "get_device", "__len__"}
     VALUES = {"data", "T", "mT", "H", "mH", "real", "imag"}  # properties that are views
 
@@ -1212,7 +1214,8 @@ class ShardedParameter(nn.Parameter):
             reads = name == "__get__" and getattr(func.__self__, "__name__", "") in cls.VALUES
         else:  # x.view_as(p) asks p for its shape only
             reads = name not in cls.METADATA and (name != "view_as" or type(args[0]) is cls)
-        for u, a in [(a._zero_unit(), a) for a in args if reads and type(a) is cls]:
+        leaves = tree_leaves((args, kwargs)) if reads else ()  # (in a list too: torch.cat([p]))
+        for u, a in [(a._zero_unit(), a) for a in leaves if type(a) is cls]:
             if not u.gathered or u.prefetch is not None:  # (prefetched: its values on the way)
                 raise RuntimeError(
                     f"zero: {a._zero_name} is sharded at stage 3 and not gathered now: only while "
