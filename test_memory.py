@@ -240,12 +240,13 @@ def test_a_trial_out_of_memory_ends_only_that_trial():
     # --largest-model's trials: 2 ranks each, spawned; one that cannot fit reports its line and
     # ends, and the caller goes on. (What a trial that fits reports is what the report prints
     # under --max-memory: test_max_memory_passes_what_fits_and_refuses_what_cannot.)
-    args = zero.training_parser("").parse_args([*MODEL, "--batch-size", "2", "--max-memory", "1MB"])
+    args = zero.training_parser("").parse_args([*MODEL, "--d-model", "128", "--batch-size", "2",
+                                                "--max-memory", "1MB"])  # 3.4 MB of state a rank
     args.world_size = 2
     refused = memory._trial(args, 3, 2)
     assert not refused["ok"] and "out of memory" in refused["error"] and refused["layers"] == 2
     with torch.device("meta"):
-        assert refused["psi"] == sum(p.numel() for p in zero.GPT(16, 16, 2, 4).parameters())
+        assert refused["psi"] == sum(p.numel() for p in zero.GPT(16, 128, 2, 4).parameters())
 
 
 def test_trial_reports_that_arrive_together_are_all_read():

@@ -1279,6 +1279,31 @@ def test_a_step_of_the_torch_optimizer_alone_is_refused(one_rank, stage):
     opt.step()  # (the wrapped one steps it, as before)
 
 
+@pytest.mark.parametrize("stage", range(4))
+def test_a_grad_set_by_hand_is_refused(one_rank, stage):
+    # step() steps what backward put in the units: a p.grad = g (torch.autograd.grad's, a scaled
+    # copy), after backward or after clipping, was ignored, silently. In place it is the gradient
+    # stepped (stages 0, 1: p.grad is the unit's view).
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, V))
+    opt = zero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1))
+    for clip in (False, True):
+        model(torch.randn(B, D)).sum().backward()
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        model[1].bias.grad = torch.zeros(V)
+        with pytest.raises(RuntimeError, match=r"^zero: 1\.bias\.grad was set by hand since"):
+            opt.step()
+        opt.zero_grad()
+        model[1].bias.grad = None
+    if stage < 2:
+        before = opt.full_state_dict()
+        model(torch.randn(B, D)).sum().backward()
+        for p in model.parameters():
+            p.grad.mul_(0)
+        opt.step()
+        assert all(torch.equal(t, before[k]) for k, t in opt.full_state_dict().items())
+
+
 class TwoDtypes(nn.Module):
     """A float64 layer, then a float32 one: buckets must not mix them (one flat buffer, one
     dtype)."""

@@ -64,7 +64,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves
 
 if __name__ in ("__main__", "__mp_main__"):  # run as a script: the files that `import zero`
     sys.modules.setdefault("zero", sys.modules[__name__])  # (checkpoints.py...) get this module
@@ -569,7 +568,7 @@ def wrap(model, stage, optimizer, **options):
 # Imported before any process group: torch.distributed.nn's functions default to group.WORLD,
 # evaluated at import (torch imports it lazily); after init_process_group, that keeps gloo alive
 # into the interpreter's exit, aborting a run that succeeded ("terminate called without...").
-import torch.distributed.nn  # noqa: F401,E402
+import torch.distributed.nn, torch.utils._pytree  # noqa: F401,E402 (the latter: ShardedParameter)
 
 def setup(backend=None, device=None, timeout_s=600):
     """Join torchrun's process group, or one that is up, or make a group of one."""
@@ -934,16 +933,24 @@ def optimizer_of_pieces(zero, make):
                          "given, in one group: each rank steps flat pieces of its shard")
     hyper = {k: v for k, v in opt.param_groups[0].items() if isinstance(v, (float, int, tuple))}
     same_on_every_rank({"optimizer": type(opt).__name__, **hyper}, zero.device, "zero: ")
-    opt.register_step_pre_hook(functools.partial(refuse_a_step_alone, weakref.proxy(zero)))
+    opt.register_step_pre_hook(functools.partial(refuse_silent_steps, weakref.proxy(zero)))
     if zero.mixed_precision and zero.stage < 3:  # (stage 3 refuses writes outside gathered())
         opt.register_step_pre_hook(functools.partial(keep_writes, weakref.proxy(zero)))
     return opt
 
 
-def refuse_a_step_alone(zero, *_):  # the torch optimizer's step: its pieces have no .grad then
+def refuse_silent_steps(zero, *_):
+    """Before the torch optimizer steps, refused: a step of its own (its tensors get their .grad
+    in opt.step() only: it would step nothing); a p.grad set by hand since backward (p.grad = g:
+    step() steps what backward put in the units, which stages 0, 1 show as p.grad views)."""
     if all(u.step_grad is None for u in zero.units):  # (set in the wrapped step() only)
         raise RuntimeError("zero: step the wrapped optimizer, opt.step(): opt.optimizer.step() "
                            "would step nothing (its tensors get their gradients in opt.step())")
+    for u, p in [(u, p) for u in zero.units for p in u.params if p.grad is not None]:
+        if not zero.keeps_full_grads or p.grad.data_ptr() != u.view(u.grad, p).data_ptr():
+            raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]}"
+                               ".grad was set by hand since backward: step() steps the gradient "
+                               "backward gave it (at stages 0, 1, change p.grad in place)")
 
 
 def cut_pieces(zero, u, per_parameter):
@@ -1214,7 +1221,7 @@ class ShardedParameter(nn.Parameter):
             reads = name == "__get__" and getattr(func.__self__, "__name__", "") in cls.VALUES
         else:  # x.view_as(p) asks p for its shape only
             reads = name not in cls.METADATA and (name != "view_as" or type(args[0]) is cls)
-        leaves = tree_leaves((args, kwargs)) if reads else ()  # (in a list too: torch.cat([p]))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs)) if reads else ()  # cat([p]) too
         for u, a in [(a._zero_unit(), a) for a in leaves if type(a) is cls]:
             if not u.gathered or u.prefetch is not None:  # (prefetched: its values on the way)
                 raise RuntimeError(
@@ -1435,9 +1442,9 @@ def corpus(size=1 << 17):
 
 
 def demo_data(path=None):
-    """The bytes the demo trains on, int64 in [0, 256): the file at `path` (--data), or corpus()."""
+    """The bytes the demo trains on, uint8: the file at `path` (--data), or corpus()."""
     raw = corpus() if path is None else open(path, "rb").read()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # (a row: int64 in get_batch)
 
 
 class Block(nn.Module):
@@ -1490,7 +1497,7 @@ def get_batch(data, step, micro, rank, world, batch_size, seq_len, seed):
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro)
     starts = torch.randint(len(data) - seq_len - 1, (world * batch_size,), generator=g)
     mine = starts[rank * batch_size:(rank + 1) * batch_size]
-    rows = torch.stack([data[s:s + seq_len + 1] for s in mine])
+    rows = torch.stack([data[s:s + seq_len + 1] for s in mine]).long()
     return rows[:, :-1], rows[:, 1:]  # inputs [B, T], targets [B, T]: the next byte
 
 
@@ -1556,8 +1563,7 @@ def train(args, build=None, keep_params=False, quiet=False):
     same_on_every_rank({**vars(args), "data (sha256)": hashlib.sha256(
         demo_data(args.data).numpy()).hexdigest()}, device)
     _memory().check_fits(args, world, device)  # a model this machine cannot hold: refused
-    # where the rank is, named if it runs out of memory (--max-memory on CPU: memory.Watch, which
-    # follows the data size too)
+    # where the rank is, for an out-of-memory line (--max-memory on CPU: Watch, the data size too)
     progress = (_memory().Watch if args.max_memory and device.type == "cpu" else
                 _memory().Progress)()
     with torch.device("meta"):  # shapes only, no memory: no rank ever holds the whole model
@@ -1648,6 +1654,7 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
             f"sent {sent[-1] / 1e6:8.4f} MB" + (f" | grad norm {norm:.4f}" if args.clip > 0 else "")
             + (" | not finite: skipped, the weights are unchanged" if bad else ""))
         if args.ckpt_dir and (step == args.steps or args.ckpt_every and not step % args.ckpt_every):
+            progress.note("writing the checkpoint")
             last_good = ck.save(opt, args, step, world)
     if skipped:
         log(f"{skipped} step(s) of {len(times)} skipped: loss or gradient norm not finite")
