@@ -463,7 +463,8 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None)
     except catch as e:
         error = say(e)
     # every rank's message ("": none), 512 bytes of it, to every rank
-    rows = _all_ranks(list(error.encode()[:512].ljust(512, b"\0")), device, dtype=torch.uint8)
+    raw = error.encode(errors="backslashreplace")[:512]  # (a path's bytes not UTF-8: escaped)
+    rows = _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8)
     first = next((row for row in rows if any(row)), [])  # the first rank's that has one
     if error := bytes(first).rstrip(b"\0").decode(errors="replace"):
         undo()
@@ -506,6 +507,8 @@ def ckpt_dir_lock(root, device):
     what = f"checkpoint directory {root}"
     with contextlib.ExitStack() as held:
         with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
+            if any("\udc80" <= c <= "\udcff" for c in root):  # (Python's escapes of such bytes)
+                raise UsageError(f"{what}: its name's bytes are not UTF-8: torch cannot read there")
             if os.path.exists(root) and not os.path.isdir(root):
                 raise UsageError(f"{what}: exists and is not a directory")
             os.makedirs(root, exist_ok=True)

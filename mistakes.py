@@ -408,7 +408,7 @@ class LocalClip(zero.ZeRO1):
         return zero.DataParallel._sum_of_squares(self)  # this rank's [S] shards' squares
 
 
-@mistake("1-3", 1, "distance to the reference", "ZeRO1._sum_of_squares")
+@mistake("1-3", 1, "distance to the reference, in float32", "ZeRO1._sum_of_squares")
 def local_clip(quick):
     """The norm to clip by is the whole gradient's. Each rank's shard norm is smaller, and
     differs: each shard is scaled by its own factor, the update points somewhere else."""
@@ -669,7 +669,7 @@ def main(argv=None):
     if rank != 0:
         return
     what = f"{len(results)} mistake{'s' * (len(results) > 1)}"
-    print(f"{what} at N = {world} ranks (gloo, CPU, float64), each beside the right code;\n"
+    print(f"{what} at N = {world} ranks (gloo, CPU, float64 unless said), beside the right code;\n"
           "reference: one process, plain torch, on the global batch\n\n"
           f"{'mistake':<22} {'stage':>5}  {'measured':<37} {'wrong':>12} {'right':>12}\n{'-' * 93}")
     for name, res in results.items():

@@ -2104,6 +2104,18 @@ def test_bad_input_is_one_line_and_exit_2(refused):
         assert printed.getvalue() == errors.getvalue() == "", args
 
 
+def test_a_file_that_cannot_be_written_is_one_line(monkeypatch, capsys):
+    # A full disk under --timeline's SVG or mistakes.py's --json, once the run is over: a
+    # traceback before; one line and exit code 1 (os._exit: no teardown, as for a rank gone)
+    def main():
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(zero.os, "_exit", sys.exit)
+    with pytest.raises(SystemExit) as e:
+        zero.run(main)
+    assert e.value.code == 1
+    assert capsys.readouterr().err.endswith(": error: [Errno 28] No space left on device\n")
+
+
 def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
     afile, readonly = tmp_path / "afile", tmp_path / "readonly"
     afile.write_text("")
@@ -2122,6 +2134,8 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--ckpt-dir", str(afile)], "not a directory"),
              (["--ckpt-dir", str(afile / "x")], "Not a directory"),
              (["--ckpt-dir", unwritable], "not writable"),
+             (["--ckpt-dir", os.fsdecode(bytes(tmp_path) + b"/\xff")], "bytes are not UTF-8"),
+             (["--init-from", os.fsdecode(bytes(tmp_path) + b"/\xff")], "No such file"),
              (["--ckpt-dir", ""], "--ckpt-dir '': an empty name"),  # (else: no checkpoints)
              (["--consolidate", ""], "--consolidate '': an empty name"),  # (else: training)
              (["--lr", "1e39"], "beyond float32's range"),

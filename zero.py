@@ -1551,8 +1551,7 @@ def zero_build(args):
     return build
 
 
-# params, grads, optimizer: the paper's in bf16, else fp32 AdamW
-def bytes_per_parameter(args): return (2, 2, 12) if args.bf16 else (4, 4, 8)
+def bytes_per_parameter(args): return (2, 2, 12) if args.bf16 else (4, 4, 8)  # params, grads, opt
 
 
 def train(args, build=None, keep_params=False, quiet=False):
@@ -1966,6 +1965,8 @@ def run(main, argv=None):
                              f"({str(e).strip().splitlines()[0][:200]})")
     except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
         code, line = 4, f"error: {e}"
+    except OSError as e:  # a file this rank cannot write or read (a full disk...): its own line
+        code, line = 1, f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
         ckpt = any(a.split("=")[0] in ("--ckpt-dir", "--ckpt-d", "--ckpt-di") for a in (
             argv or sys.argv))  # (argparse takes abbreviations: --ckpt-e is --ckpt-every)
