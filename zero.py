@@ -947,7 +947,7 @@ def refuse_silent_steps(zero, *_):
         raise RuntimeError("zero: step the wrapped optimizer, opt.step(): opt.optimizer.step() "
                            "would step nothing (its tensors get their gradients in opt.step())")
     for u, p in [(u, p) for u in zero.units for p in u.params if p.grad is not None]:
-        if not zero.keeps_full_grads or p.grad.data_ptr() != u.view(u.grad, p).data_ptr():
+        if not zero.keeps_full_grads or p.grad._base is not u.grad:  # (not a view of u.grad)
             raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]}"
                                ".grad was set by hand since backward: step() steps the gradient "
                                "backward gave it (at stages 0, 1, change p.grad in place)")
