@@ -592,9 +592,10 @@ atexit.register(shutil.rmtree, EARLY, True)
 MISSING = os.path.join(EARLY, "none.pt")
 REFUSED = {  # bad command lines, end to end: name -> (its process, what stderr must name)
     "argument": (Early("--stage", "7", fixture="refused"), "argument --stage"),
-    # found once the process group exists and the model is built
-    "after setup": (Early(*SMALL, "--init-from", MISSING, fixture="refused"),
-                    f"--init-from {MISSING}"),
+    # found once the process group exists and the model is built; WORLD_SIZE without RANK (not
+    # torchrun's): a group of one, where it waited for ranks that could not come, till --timeout
+    "after setup": (Early(*SMALL, "--init-from", MISSING, fixture="refused",
+                          env=dict(ENV, WORLD_SIZE="2")), f"--init-from {MISSING}"),
     "fsdp_demo.py": (Early("--stage", "1", "--bf16", script=os.path.join(HERE, "fsdp_demo.py"),
                            fixture="refused"), "--bf16"),
     "mistakes.py": (Early("no-such-mistake", script=os.path.join(HERE, "mistakes.py"),

@@ -586,8 +586,8 @@ def setup(backend=None, device=None, timeout_s=600):
     # torchrun's store (_attempt_store); plain `python zero.py`: a group of one, the same code
     store = _attempt_store(timeout) if "RANK" in os.environ else dist.HashStore()
     dist.init_process_group(backend, store=store, timeout=timeout,
-                            rank=int(os.environ.get("RANK", 0)),
-                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
+                            rank=int(os.environ.get("RANK", 0)),  # (no RANK: a WORLD_SIZE not ours)
+                            world_size=int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1)
     return dist.get_rank(), dist.get_world_size(), dev
 
 
