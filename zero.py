@@ -186,7 +186,7 @@ class DataParallel:
         # for the cache, speed 3): u.pieces; u.owners[i], the parameters piece i holds. Exact for
         # element-wise optimizers (SGD, Adam...: an element's update reads its own gradient and
         # state only), NOT for LAMB or Adafactor (whole tensors; torch's are refused) nor groups.
-        # Mixed precision (stages 0-2): a step pre-hook first puts writes to parameters in masters.
+        # Mixed precision, stages 0-2: a step pre-hook copies writes to p (clamp_...) into masters.
         self.optimizer = optimizer_of_pieces(self, optimizer)  # (torch's known others refused)
         self._sync, self._end_queued, self._reduced, self.steps = True, False, False, 0
         self.meter.event("start")
