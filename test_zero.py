@@ -1634,6 +1634,23 @@ def test_default_units_find_the_blocks_at_any_depth():
     assert zero.default_units(flat) == [flat[0], flat[2]]
 
 
+def test_stage3_gathers_a_unit_backward_is_done_with_no_more(one_rank):
+    # A root used only at the end of forward (a head) gets its gradient first in backward, is
+    # reduced and freed; the prefetch for the first block gathered it again, for nothing
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
+    opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1),
+                    units=[model[0], model[2]])
+    gathers, sent = [], opt.meter.sent
+    opt.meter.sent = lambda kind, full, unit=None, **kw: (
+        gathers.append(unit.index) if kind == "all_gather" else None, sent(kind, full, unit, **kw))
+    for _ in range(2):  # (the second: the prefetch knows the order)
+        gathers.clear()
+        model(torch.randn(B, D)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert gathers == [2, 0, 1, 1, 0]  # the root, the blocks in forward, in backward
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

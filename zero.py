@@ -878,9 +878,9 @@ class Prefetch:
 
     def backward_started(self, call): self._gather(call - 1)
 
-    def _gather(self, call):
+    def _gather(self, call):  # (not a unit whose gradient is complete: backward is done with it)
         if self.zero.overlap and self.order and 0 <= call < len(self.order):
-            for u in self.order[call]:
+            for u in [u for u in self.order[call] if u.arrived < len(u.params)]:
                 self.zero._gather(u, prefetch=True)
 
 
@@ -1734,8 +1734,8 @@ def report(res, args):
                     f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
                     f"\n   across the R = {world // G} groups: {comm.get(across, 0):,.0f}, "
                     f"formula {expected.get(across, 0):,.0f}"),
-        (stage == 3 and ours, "stage 3: the root unit stays gathered from forward into "
-                              "backward, one all-gather fewer"),
+        (stage == 3 and ours, "stage 3: a root unit stays gathered from forward into backward, "
+                              "one all-gather fewer; a tied unit is gathered by each module"),
         (gloo and DIRECT and not on_cuda, "gloo on CPU: reduce_scatter runs as an all_to_all + "
          "local sum, all_gather as N broadcasts:\n   a ring's bytes, in less time; see "
          "reduce_scatter() in zero.py"),
