@@ -552,10 +552,13 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     # Refused on every rank alike (rank 0 failing alone at its manifest leaves the others waiting)
     if type(step) is not int or step < 0:
         raise ValueError(f"zero: save_checkpoint's step must be an int, 0 or more, not {step!r}")
-    try:
-        json.dumps(extra or {})  # (rank 0 writes it into the manifest)
+    try:  # (rank 0 writes it into the manifest, where a load reads a dict)
+        if not isinstance(extra or {}, dict):
+            raise TypeError(f"a {type(extra).__name__}")
+        json.dumps(extra or {})
     except (TypeError, ValueError) as e:
-        raise ValueError(f"zero: save_checkpoint's extra must hold what JSON does: {e}") from None
+        raise ValueError(f"zero: save_checkpoint's extra must be a dict that JSON can hold: {e}") \
+            from None
     device = opt.units[0].flat.device
     path, tmp = _partial(root, step, device)
     # the part this rank writes: its rank, if G = N

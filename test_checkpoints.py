@@ -798,7 +798,8 @@ def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp
     model, opt = wrapped(0, 1, "adamw", seed=100)
     for step, extra, message in [("5", None, "step must be an int, 0 or more, not '5'"),
                                  (-1, None, "step must be an int, 0 or more, not -1"),
-                                 (3, {"rng": torch.ones(2)}, "extra must hold what JSON does")]:
+                                 (3, {"rng": torch.ones(2)}, "extra must be a dict that JSON"),
+                                 (3, ["epoch", 3], "extra must be a dict that JSON")]:
         with pytest.raises(ValueError, match="^zero: save_checkpoint's " + re.escape(message)):
             checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), step, extra)
     assert not (tmp_path / "ckpt").exists()
