@@ -286,26 +286,28 @@ def load_full_state_dict(zero, state):
     if problem:
         raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
                          f"{problem}")
-    differs = set()
+
+    def own(u, key):  # this rank's shard of the unit, the parameters end to end (by key(p)): of
+        # each (a view of the mapped file's tensor) just the elements in it are read
+        return _slice_of([state[key(p)].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+    # Tied values compared first, on every rank: a refused load changes nothing
+    differs = {key_of[p] + " and " + twin[p] for u in zero.units if any(p in twin for p in u.params)
+               and not torch.equal(own(u, key_of.get), own(u, lambda p: twin.get(p, key_of[p])))
+               for p in u.params if p in twin}
+    if any(max(row) for row in _all_ranks([len(differs)], zero.device)):
+        raise ValueError("zero: load_full_state_dict: tied here, different there: "
+                         f"{', '.join(sorted(differs)) or 'on another rank'}")
     with torch.no_grad():
         for u in zero.units:
-            # this rank's shard of the unit, the parameters end to end: of each (a view of the
-            # mapped file's tensor) just the elements in it are read; then the padding, 0
-            own = _slice_of([state[key_of[p]].reshape(-1) for p in u.params], u.my_slice.start, u.S)
-            if any(p in twin for p in u.params) and not torch.equal(own, _slice_of(
-                    [state[twin.get(p, key_of[p])].reshape(-1) for p in u.params],
-                    u.my_slice.start, u.S)):
-                differs |= {key_of[p] + " and " + twin[p] for p in u.params if p in twin}
-            mine = torch.nn.functional.pad(own, (0, u.S - len(own))).to(zero.device, u.master.dtype)
+            mine = own(u, key_of.get)  # then the padding, 0
+            mine = torch.nn.functional.pad(mine, (0, u.S - len(mine)))
+            mine = mine.to(zero.device, u.master.dtype)
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
                 all_gather(u.master, mine, group=zero.group)
                 zero.meter.sent("all_gather", u.master, u)
             u.shard.copy_(u.master)  # the same tensor, unless mixed precision
-        if any(max(row) for row in _all_ranks([len(differs)], zero.device)):
-            raise ValueError("zero: load_full_state_dict: tied here, different there: "
-                             f"{', '.join(sorted(differs)) or 'on another rank'}")
         for _, t in replicated(zero.model):
             if t in key_of:  # (a buffer that is not persistent is not in a state_dict)
                 t.copy_(state[key_of[t]])
@@ -793,15 +795,16 @@ def checkpoint_scalars(parts):  # {name: optimizer scalars}: Adam's step count
 
 
 def consolidate(path, out, kind):
-    """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor} for
-    every key of the model's own state_dict(), to `out` in one format (`kind`): "pt", a
-    torch.save file (what model.load_state_dict() and --init-from take); "safetensors", what
-    Hugging Face and inference engines load (safetensors.torch.load_file); "dcp", a DCP
-    directory (dcp.load, FSDP2's, and dcp_to_torch_save read it). One process, no process
-    group, any stage and world size. Each tensor is a view of the memory-mapped parts (a copy
-    where two parts hold it), written from there: no moment holds the whole model in memory. A
-    checkpoint that is not right is a CheckpointError, an output that cannot be written a
-    UsageError; neither leaves a file. Returns the manifest, and "fp64": whether masters are."""
+    """Write the sharded checkpoint in `path` as the full model, {key: fp32 (or fp64) tensor; a
+    frozen one or a buffer as held} for every key of the model's state_dict(), to `out` in one
+    format (`kind`): "pt", a torch.save file (what model.load_state_dict() and --init-from
+    take); "safetensors", what Hugging Face and inference engines load (safetensors.torch.
+    load_file); "dcp", a DCP directory (dcp.load, FSDP2's, and dcp_to_torch_save read it). One
+    process, no process group, any stage and world size. Each tensor is a view of the
+    memory-mapped parts (a copy where two parts hold it), written from there: no moment holds
+    the whole model in memory. A checkpoint that is not right is a CheckpointError, an output
+    that cannot be written a UsageError; neither leaves a file. Returns the manifest, and
+    "fp64": whether masters are."""
     manifest, parts = read_checkpoint(path)
     try:
         masters = dict(checkpoint_tensors(manifest, parts))

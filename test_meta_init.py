@@ -96,7 +96,7 @@ def meta_models(rank, world):
         opt.load_full_state_dict(poisoned)
         loaded = opt.full_state_dict()
         run_steps(model, opt, opt.clip_grad_norm_, CASES["adamw"], rows, world, 1)
-        refused = []
+        trained, refused = opt.full_state_dict(), []
         for bad in ({k: v for k, v in want.items() if k != "norm.weight"},
                     dict(want, extra=torch.zeros(1)),
                     dict(want, **{"blocks.0.0.weight": torch.zeros(2, 2)}),
@@ -107,8 +107,8 @@ def meta_models(rank, world):
                 refused.append(None)
             except ValueError as e:
                 refused.append(str(e))
-        out[("load", stage)] = {"loaded": loaded, "trained": opt.full_state_dict(),
-                                "refused": refused}
+        out[("load", stage)] = {"loaded": loaded, "trained": trained, "refused": refused,
+                                "after": opt.full_state_dict()}  # (refused: nothing changed)
     return out
 
 
@@ -175,6 +175,7 @@ def test_load_full_state_dict_reads_only_each_ranks_own_elements(meta_runs, worl
         for n, t in rec["loaded"].items():
             assert torch.equal(t, want[n]), n
         assert all(torch.isfinite(t).all() for t in rec["trained"].values())
+        assert all(torch.equal(t, rec["trained"][n]) for n, t in rec["after"].items())
         missing, extra, shape, dtype, untied = rec["refused"]
         assert missing and "no 'norm.weight'" in missing
         assert extra and "'extra' is not in the model" in extra
