@@ -1649,6 +1649,11 @@ def test_stage3_gathers_a_unit_backward_is_done_with_no_more(one_rank):
         opt.step()
         opt.zero_grad()
     assert gathers == [2, 0, 1, 1, 0]  # the root, the blocks in forward, in backward
+    # A backward that gives no parameter a gradient (a saliency map: the input's only) gathered
+    # every unit and freed none: the whole model stayed gathered until the next backward
+    x = torch.randn(B, D, requires_grad=True)
+    torch.autograd.grad(model(x).sum(), x)
+    assert not any(u.gathered for u in opt.units)
 
 
 class Scaled(nn.Module):

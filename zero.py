@@ -104,8 +104,7 @@ class Unit:
         # Set by each stage's _shard (stage 0: all of flat, a full gradient), master by __init__:
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
-        self.grad = None              # [N*S] the gradient buffer (stages 2, 3: during backward
-                                      # only; stage 1, once reduced: [S] the sum, the rest 0)
+        self.grad = None              # [N*S] the gradient buffer (stages 2, 3: in backward only)
         self.grad_shard = None        # the gradient of the elements stepped: the sum, then / N
         self.step_grad = None         # ... in the master's dtype, during step() only
         # What backward has done with it so far:
@@ -517,6 +516,7 @@ class ZeRO3(ZeRO2):
                 tensors, functools.partial(self._pre_backward, units, call), mode="any")
 
     def _pre_backward(self, units, call, grad):
+        self._queue_end_of_backward()  # which frees them even if no parameter gets a gradient
         for u in units:
             self._gather(u)
         self.prefetcher.backward_started(call)  # and those of the module before it
