@@ -1649,11 +1649,24 @@ def test_stage3_gathers_a_unit_backward_is_done_with_no_more(one_rank):
         opt.step()
         opt.zero_grad()
     assert gathers == [2, 0, 1, 1, 0]  # the root, the blocks in forward, in backward
+    opt.meter.sent = sent
     # A backward that gives no parameter a gradient (a saliency map: the input's only) gathered
     # every unit and freed none: the whole model stayed gathered until the next backward
     x = torch.randn(B, D, requires_grad=True)
     torch.autograd.grad(model(x).sum(), x)
     assert not any(u.gathered for u in opt.units)
+    # With create_graph (a gradient penalty) they stay for the backward that reads them again,
+    # which then frees them; it steps as one process does (freed early: a raw torch error)
+    plain = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
+    plain.load_state_dict(opt.full_state_dict())
+    for m in (model, plain):
+        g, = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+    assert not any(u.gathered for u in opt.units)
+    opt.step()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    for name, t in opt.full_state_dict().items():
+        assert torch.allclose(t, plain.state_dict()[name], atol=1e-6), name
 
 
 class Scaled(nn.Module):

@@ -516,7 +516,8 @@ class ZeRO3(ZeRO2):
                 tensors, functools.partial(self._pre_backward, units, call), mode="any")
 
     def _pre_backward(self, units, call, grad):
-        self._queue_end_of_backward()  # which frees them even if no parameter gets a gradient
+        if not torch.is_grad_enabled():  # (create_graph: a later backward reads them again)
+            self._queue_end_of_backward()  # which frees them even if no parameter gets a gradient
         for u in units:
             self._gather(u)
         self.prefetcher.backward_started(call)  # and those of the module before it
@@ -533,9 +534,8 @@ class ZeRO3(ZeRO2):
     def _gather_params(self):
         # Nothing to gather after the step: the next forward gathers each unit when it needs it.
         # A unit still gathered (a forward that had no backward) now holds stale values: free it.
-        for unit in self.units:
-            if unit.users == 0 and unit.gathered:
-                self._free(unit)
+        for unit in [u for u in self.units if u.users == 0 and u.gathered]:
+            self._free(unit)
 
 
 def _grad_hook(zero_ref, i, p):
