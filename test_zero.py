@@ -71,6 +71,7 @@ is what zero.py left in flight, on any schedule.
 import collections
 import contextlib
 import copy
+import datetime
 import dataclasses
 import functools
 import gc
@@ -2472,6 +2473,19 @@ def test_setup_uses_the_group_that_is_up(gpus, one_rank, monkeypatch):
     assert zero.setup()[2] == torch.device("cpu")
     with pytest.raises(zero.UsageError, match="--backend nccl, but the process group is gloo"):
         zero.setup("nccl")
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0"}, {"RANK": "0", "WORLD_SIZE": "2",
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}])
+def test_rank_without_the_rest_of_torchruns_environment_is_one_line(env, monkeypatch):
+    # RANK set means torchrun's store: without its address, port and world size (whole
+    # numbers), a KeyError or ValueError traceback, before any store is made
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(zero.UsageError, match="RANK is set, but torchrun's environment is"):
+        zero._attempt_store(datetime.timedelta(seconds=1))
 
 
 # A user's own script, in a process of its own: no process group up when it calls wrap(), a GPU

@@ -579,8 +579,7 @@ def setup(backend=None, device=None, timeout_s=600):
             else choose_device("gloo", device)[1]  # (NCCL: its ranks' GPUs are chosen already)
         return dist.get_rank(), dist.get_world_size(), here
     backend, dev = choose_device(backend, device)
-    # NCCL: a failed collective raises in wait(), as gloo's, where the watchdog would abort
-    if backend == "nccl":
+    if backend == "nccl":  # a failed collective raises in wait(), as gloo's (no watchdog abort)
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
     # torchrun's store (_attempt_store); plain `python zero.py`: a group of one, the same code
@@ -622,10 +621,13 @@ def choose_device(backend, device):
 def _attempt_store(timeout):
     """torchrun's store, keys prefixed by the restart attempt: after --max-restarts the store
     still holds the dead ranks' addresses, and a rank that read one would wait for ever."""
+    env = {k: os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    if not env["MASTER_ADDR"] or not all(env[k].isdigit() for k in list(env)[1:]):
+        raise UsageError(f"RANK is set, but torchrun's environment is incomplete or not numbers: "
+                         f"{env}; launch with torchrun, or unset RANK for a group of one")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), timeout=timeout,
-                          is_master=not agent and os.environ["RANK"] == "0")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
+                          timeout=timeout, is_master=not agent and env["RANK"] == "0")
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
@@ -1087,7 +1089,6 @@ class Meter:
     """Bytes sent (zero.comm) and held at the most (zero.peak); waited(): seconds of waiting."""
 
     def __init__(self, zero):
-        # timeline: while one step is recorded, memory.Timeline (--timeline)
         self.zero, self.now, self.held, self.trace, self.timeline = zero, Counter(), {}, 0, None
         zero.comm, zero.peak, zero.build_peak = Counter(), Counter(), Counter()
         self.seconds, self.events, self.cuda = 0.0, [], zero.device.type == "cuda"
@@ -1977,8 +1978,7 @@ def run(main, argv=None):
     if dist.is_initialized() and code not in (1, 4, 130):
         time.sleep(0.05)  # torch 2.6: a gloo thread letting go of a tensor waits for the GIL,
         dist.destroy_process_group()  # which this holds while it joins them: let them finish
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush()  # (stderr: say() flushed it)
     if code in (1, 4, 130):  # the group is not destroyed (a rank is gone): no teardown, which
         os._exit(code)       # would join gloo's threads, stuck in the last collective
     sys.exit(code)
