@@ -210,7 +210,7 @@ def check_checkpoint(zero, parts, written):
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
     # a rank whose parameters never got a gradient has no state to write).
-    keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
+    keys = set(checkpoint_state_keys(parts))
     for r, part in enumerate(parts):
         for i, unit in enumerate(part["units"]):
             if set(unit["state"]) not in (keys, set()):
@@ -256,8 +256,8 @@ def full_state_dict(zero):
             flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
             all_gather(flat, unit.master, group=zero.group)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
-        flat = _wide(flat)  # (float32, float64 kept)
-        full.update({p: unit.view(flat, p).clone() for p in unit.params})
+        # each parameter a copy in float32 (float64 kept)
+        full.update({p: _wide(unit.view(flat, p)).clone() for p in unit.params})
     return {n: full[p] if p in full else _wide(p.detach()).clone()
             for n, p in zero.model.named_parameters()}
 
@@ -289,7 +289,8 @@ def load_full_state_dict(zero, state):
 
     def own(u, key):  # this rank's shard of the unit, the parameters end to end (by key(p)): of
         # each (a view of the mapped file's tensor) just the elements in it are read
-        return _slice_of([state[key(p)].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+        mine = _slice_of([state[key(p)].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+        return torch.nn.functional.pad(mine, (0, u.S - len(mine)))  # then the padding, 0
     # Tied values compared first, on every rank: a refused load changes nothing
     differs = {key_of[p] + " and " + twin[p] for u in zero.units if any(p in twin for p in u.params)
                and not torch.equal(own(u, key_of.get), own(u, lambda p: twin.get(p, key_of[p])))
@@ -299,9 +300,7 @@ def load_full_state_dict(zero, state):
                          f"{', '.join(sorted(differs)) or 'on another rank'}")
     with torch.no_grad():
         for u in zero.units:
-            mine = own(u, key_of.get)  # then the padding, 0
-            mine = torch.nn.functional.pad(mine, (0, u.S - len(mine)))
-            mine = mine.to(zero.device, u.master.dtype)
+            mine = own(u, key_of.get).to(zero.device, u.master.dtype)
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
