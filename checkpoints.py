@@ -920,9 +920,8 @@ def read_dcp(path):
         if size < end:
             raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
                                   f"{end}: truncated, the checkpoint is torn")
-    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
-               for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
-    return info, tensors
+    return info, {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
+                  for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
 
 def _dcp_ends(metadata):
