@@ -102,8 +102,8 @@ def load_own_part(zero, state):
     """opt.load_state_dict(opt.state_dict()), on the same ranks, as with any torch optimizer.
     Every rank calls it: a rank may step more than the part it wrote (all of the model at stage
     0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
-    q, device = part_index(zero.rank, zero.world, zero.N), zero.units[0].flat.device
-    with _agreed(device):  # one rank's refusal is every rank's: none waits
+    q = part_index(zero.rank, zero.world, zero.N)
+    with _agreed(zero.device):  # one rank's refusal is every rank's: none waits
         if not isinstance(state, dict) or state.get("rank") != q or \
                 state.get("layout") != layout(zero):
             raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
@@ -118,8 +118,8 @@ def load_own_part(zero, state):
     def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
         if len(ranks) == 1:  # this rank's own part only
             return t.view(1, -1)
-        every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=device)
-        all_gather(every, t.to(device), group=zero.replica_group)  # (stage 0: None, all ranks)
+        every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=zero.device)
+        all_gather(every, t.to(zero.device), group=zero.replica_group)  # (stage 0: None, all ranks)
         return every.cpu().view(len(ranks), -1)
     units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
              for u in state["units"]]
@@ -210,7 +210,7 @@ def check_checkpoint(zero, parts, written):
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
     # a rank whose parameters never got a gradient has no state to write).
-    keys = set().union(*(unit["state"] for part in parts for unit in part["units"]))
+    keys = set(checkpoint_state_keys(parts))
     for r, part in enumerate(parts):
         for i, unit in enumerate(part["units"]):
             if set(unit["state"]) not in (keys, set()):
@@ -256,8 +256,8 @@ def full_state_dict(zero):
             flat = torch.empty_like(unit.flat, dtype=unit.master.dtype)
             all_gather(flat, unit.master, group=zero.group)  # [N*S] <- every rank's [S]
             zero.meter.sent("all_gather", flat)
-        flat = _wide(flat)  # (float32, float64 kept)
-        full.update({p: unit.view(flat, p).clone() for p in unit.params})
+        # each parameter a copy in float32 (float64 kept)
+        full.update({p: _wide(unit.view(flat, p)).clone() for p in unit.params})
     return {n: full[p] if p in full else _wide(p.detach()).clone()
             for n, p in zero.model.named_parameters()}
 
@@ -289,7 +289,8 @@ def load_full_state_dict(zero, state):
 
     def own(u, key):  # this rank's shard of the unit, the parameters end to end (by key(p)): of
         # each (a view of the mapped file's tensor) just the elements in it are read
-        return _slice_of([state[key(p)].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+        mine = _slice_of([state[key(p)].reshape(-1) for p in u.params], u.my_slice.start, u.S)
+        return torch.nn.functional.pad(mine, (0, u.S - len(mine)))  # then the padding, 0
     # Tied values compared first, on every rank: a refused load changes nothing
     differs = {key_of[p] + " and " + twin[p] for u in zero.units if any(p in twin for p in u.params)
                and not torch.equal(own(u, key_of.get), own(u, lambda p: twin.get(p, key_of[p])))
@@ -299,9 +300,7 @@ def load_full_state_dict(zero, state):
                          f"{', '.join(sorted(differs)) or 'on another rank'}")
     with torch.no_grad():
         for u in zero.units:
-            mine = own(u, key_of.get)  # then the padding, 0
-            mine = torch.nn.functional.pad(mine, (0, u.S - len(mine)))
-            mine = mine.to(zero.device, u.master.dtype)
+            mine = own(u, key_of.get).to(zero.device, u.master.dtype)
             if u.stepped == u.my_slice:  # stages 1-3: the master is this rank's shard
                 u.master.copy_(mine)
             else:  # stage 0 steps the whole unit: each rank read 1/N of it, gather the rest
@@ -552,7 +551,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
     # Refused on every rank alike (rank 0 failing alone at its manifest leaves the others waiting)
-    if type(step) is not int or step < 0:
+    if not _count(step):
         raise ValueError(f"zero: save_checkpoint's step must be an int, 0 or more, not {step!r}")
     try:  # (rank 0 writes it into the manifest, where a load reads a dict)
         if not isinstance(extra or {}, dict):
@@ -561,8 +560,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     except (TypeError, ValueError) as e:
         raise ValueError(f"zero: save_checkpoint's extra must be a dict that JSON can hold: {e}") \
             from None
-    device = opt.units[0].flat.device
-    path, tmp = _partial(root, step, device)
+    path, tmp = _partial(root, step, opt.device)
     # the part this rank writes: its rank, if G = N
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
 
@@ -571,15 +569,14 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
             shutil.rmtree(tmp, ignore_errors=True)
 
     # (torch.save reports some failed writes as RuntimeError)
-    with _agreed(device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
+    with _agreed(opt.device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
         os.makedirs(tmp, exist_ok=True)
         _atomic_write(name, lambda f: torch.save(opt.state_dict(), f))
         size, digest = os.path.getsize(name), bytes.fromhex(_sha256(name))  # 32 bytes
     # Rank 0 lists every file's size and hash in the manifest: one small all-gather, and it is
     # also the barrier that makes every rank's file durable before the manifest is written.
-    rows = _all_ranks([size, *digest], device)
     files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [n, bytes(sha256).hex()]
-             for r, (n, *sha256) in enumerate(rows)}
+             for r, (n, *sha256) in enumerate(_all_ranks([size, *digest], opt.device))}
     first = {id(p): n for n, p in opt.model.named_parameters()}  # a tied parameter's first name
     keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
     manifest = {"format": FORMAT, "step": step, **layout(opt),
@@ -587,7 +584,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
                 "extra": extra or {}}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(tmp, "manifest.json")
-    with _agreed(device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
+    with _agreed(opt.device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
         if opt.rank == 0:  # complete: it takes its name (an old one of this step's), rotation
             _all_there(tmp, {name: n for name, (n, _) in files.items()}, step)
             _commit(tmp, path, "manifest.json", manifest, keep)
@@ -769,7 +766,7 @@ def load_checkpoint(opt, path):
     if path is not None and is_dcp(path):
         return load_dcp(opt, path)
     # Agree before anyone changes anything (or waits alone in a collective): _agreed
-    with _agreed(opt.units[0].flat.device, _LAYOUT_ERRORS, functools.partial(_not_laid_out, path)):
+    with _agreed(opt.device, _LAYOUT_ERRORS, functools.partial(_not_laid_out, path)):
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
         check_checkpoint(opt, parts, manifest)
     load_values(opt, _reader(parts, manifest), checkpoint_state_keys(parts),
@@ -923,9 +920,8 @@ def read_dcp(path):
         if size < end:
             raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
                                   f"{end}: truncated, the checkpoint is torn")
-    tensors = {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
-               for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
-    return info, tensors
+    return info, {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
+                  for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
 
 def _dcp_ends(metadata):
@@ -962,7 +958,7 @@ def load_dcp(zero, path):
     only their rows' bytes, from each writer's file), and cuts its elements out of them."""
     import torch.distributed.checkpoint as dcp
     # every rank, before any change (_agreed); any other exception: DCP's, a file it cannot read
-    with _agreed(zero.units[0].flat.device, (Exception, _dcp_error()),
+    with _agreed(zero.device, (Exception, _dcp_error()),
                  lambda e: f"{path}: cannot be read ({type(e).__name__}: {_reason(e)})"):
         info, tensors = read_dcp(path)
         keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
