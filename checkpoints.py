@@ -170,7 +170,7 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     with torch.no_grad():
         for u in zero.units:
             lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
-            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master).dtype)
+            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master[:0]).dtype)
                       for k in ["master", *keys]}  # padding 0
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
@@ -806,11 +806,11 @@ def consolidate(path, out, kind):
     try:
         masters = dict(checkpoint_tensors(manifest, parts))
         tensors = masters | parts[0]["replicated"]
-        state, seen = {}, set()
+        state, own = {}, {}
         for key, name in manifest["keys"]:  # a tied weight: one tensor under both keys, as in
-            t = _own_storage(tensors[name])  # state_dict(); safetensors wants two copies
-            state[key] = t.clone() if kind == "safetensors" and name in seen else t
-            seen.add(name)
+            t = own[name] if name in own else _own_storage(tensors[name])  # state_dict(): .pt
+            state[key] = t.clone() if kind == "safetensors" and name in own else t  # writes it
+            own[name] = t  # once; safetensors wants two copies
     except _LAYOUT_ERRORS as e:
         raise CheckpointError(_not_laid_out(path, e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
