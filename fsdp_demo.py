@@ -61,7 +61,7 @@ plus a manifest, resharded when loaded; each side continues the other's, Torch.l
 below and checkpoints.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
-import argparse, contextlib, gc, math, statistics, time
+import argparse, contextlib, gc, itertools, math, statistics, time
 from collections import Counter
 
 import torch
@@ -79,6 +79,8 @@ from torch.utils._pytree import tree_leaves
 
 import checkpoints
 import zero
+
+log = zero.log0  # rank 0 prints, the others stay quiet
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,14 +193,13 @@ class CommCounter(TorchDispatchMode):
         for kind in [k for k in self.KINDS if name.startswith(k.replace("_", ""))][:1]:
             data = args[1] if kind == "reduce_scatter" else args[0]
             full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
-            group = next(a for a in args if isinstance(a, torch.ScriptObject)
-                         and a._type().name() == "ProcessGroup")
-            group = dist.ProcessGroup.unbox(group)
-            ranks = dist.get_process_group_ranks(group)
+            group = dist.ProcessGroup.unbox(next(
+                a for a in args if isinstance(a, torch.ScriptObject)
+                and a._type().name() == "ProcessGroup"))
             times = 2 if kind == "all_reduce" else 1  # the ring's cost: all-reduce 2(N-1)/N M
             if kind == "all_reduce" and group is self.across:  # (G = 1: every rank's group)
                 kind = "all_reduce across groups"
-            self.comm[kind] += times * (len(ranks) - 1) * full / len(ranks)
+            self.comm[kind] += times * (group.size() - 1) * full / group.size()
         return func(*args, **(kwargs or {}))
 
 
@@ -323,13 +324,13 @@ def report(res, args):
         return
     zero.report(res, args)
     if args.stage >= 2 and dist.get_backend() == "gloo":
-        zero.log0("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole "
-                  "input: on the wire\n   an all-reduce's bytes, twice the reduce_scatter's ring "
-                  "cost above)")
+        log("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole "
+             "input: on the wire\n   an all-reduce's bytes, twice the reduce_scatter's ring "
+             "cost above)")
     if args.stage >= 2 and args.bf16:
-        zero.log0("  (--bf16: FSDP2's parameters are its fp32 shards, the master copy, and its "
-                  "gradients fp32 shards:\n   params 4Ψ/N, grads 4Ψ/N, optimizer 8Ψ/N, 16Ψ/N in "
-                  "all as the formula's; the bf16 copy of\n   a unit lives while it computes)")
+        log("  (--bf16: FSDP2's parameters are its fp32 shards, the master copy, and its "
+             "gradients fp32 shards:\n   params 4Ψ/N, grads 4Ψ/N, optimizer 8Ψ/N, 16Ψ/N in "
+             "all as the formula's; the bf16 copy of\n   a unit lives while it computes)")
 
 
 def compare(args, keep_params=False):
@@ -355,7 +356,6 @@ def compare(args, keep_params=False):
 
 
 def print_comparison(theirs, ours, args):
-    log = zero.log0
     log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, "
         f"N = {ours['world']}")
     log(f"  {'step':>4}  {'loss PyTorch':>12}  {'loss zero.py':>12}  {'difference':>10}")
@@ -417,30 +417,28 @@ def bench(args):
         return statistics.median(took[1:]) * 1e3
 
     table, zero_ms = [], {}  # the table's lines; zero.py's median step, ms, per (model, stage)
-    for name, size in BENCH_MODELS:
-        for stage in range(4):
-            # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2
-            # and 3 use the units FSDP2 is given (one per block), so both sides communicate the
-            # same pieces.
-            a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": steps,
-                                      "bucket_mb": 25 if stage < 2 else args.bucket_mb})
-            runs = {"PyTorch": [], "zero.py": []}
-            for _ in range(args.repeats):
-                # PyTorch's build, then zero.py's (None: zero.train's own, zero_build)
-                for who, build in zip(runs, [pytorch(a, world, count_steps=1), None]):
-                    runs[who].append(zero.train(a, build, quiet=True))
-                    gc.collect()
-            ms = {who: statistics.median(t for r in rs for t in r["times"][1:]) * 1e3
-                  for who, rs in runs.items()}
-            zero_ms[name, stage], ratio = ms["zero.py"], ms["zero.py"] / ms["PyTorch"]
-            theirs, ours = runs["PyTorch"][-1], runs["zero.py"][-1]
-            formula = sum(zero.comm_formula(stage, ours["psi"], world).values())
-            table.append(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {ms['PyTorch']:>10.1f}"
-                         f" {ms['zero.py']:>9.1f} {ratio:>6.3f} {sum(theirs['mem'].values()):>14,}"
-                         f" {sum(ours['mem'].values()):>12,} {theirs['sent'][0]:>13,.0f}"
-                         f" {ours['sent'][0]:>11,.0f} {formula:>11,.0f}")
-            zero.log0(f"  measured {name} stage {stage}: zero.py / PyTorch = {ratio:.3f}")
-    log = zero.log0
+    for (name, size), stage in itertools.product(BENCH_MODELS, range(4)):
+        # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2
+        # and 3 use the units FSDP2 is given (one per block), so both sides communicate the
+        # same pieces.
+        a = argparse.Namespace(**{**vars(args), **size, "stage": stage, "steps": steps,
+                                  "bucket_mb": 25 if stage < 2 else args.bucket_mb})
+        runs = {"PyTorch": [], "zero.py": []}
+        for _ in range(args.repeats):
+            # PyTorch's build, then zero.py's (None: zero.train's own, zero_build)
+            for who, build in zip(runs, [pytorch(a, world, count_steps=1), None]):
+                runs[who].append(zero.train(a, build, quiet=True))
+                gc.collect()
+        ms = {who: statistics.median(t for r in rs for t in r["times"][1:]) * 1e3
+              for who, rs in runs.items()}
+        zero_ms[name, stage], ratio = ms["zero.py"], ms["zero.py"] / ms["PyTorch"]
+        theirs, ours = runs["PyTorch"][-1], runs["zero.py"][-1]
+        formula = sum(zero.comm_formula(stage, ours["psi"], world).values())
+        table.append(f"{name:<8} {stage:<6} {PYTORCH_NAMES[stage]:<48} {ms['PyTorch']:>10.1f}"
+                     f" {ms['zero.py']:>9.1f} {ratio:>6.3f} {sum(theirs['mem'].values()):>14,}"
+                     f" {sum(ours['mem'].values()):>12,} {theirs['sent'][0]:>13,.0f}"
+                     f" {ours['sent'][0]:>11,.0f} {formula:>11,.0f}")
+        log(f"  measured {name} stage {stage}: zero.py / PyTorch = {ratio:.3f}")
     log(f"\n--bench: N = {world} ({dist.get_backend()}), fp32 AdamW, {args.repeats} alternating "
         f"runs x {steps - 1} timed steps each; bytes per rank (largest over ranks)")
     log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9}"

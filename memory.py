@@ -248,8 +248,7 @@ def _psi(args, layers):  # the demo GPT's parameters: one block's, then one bloc
 def _one_block(seq_len, d_model, n_head):  # Ψ of a 1-block demo GPT, and of its block
     with torch.device("meta"):  # counted on the meta device (no memory)
         model = GPT(seq_len, d_model, 1, n_head)
-    return sum(p.numel() for p in model.parameters()), sum(
-        p.numel() for p in model.blocks[0].parameters())
+    return tuple(sum(p.numel() for p in m.parameters()) for m in (model, model.blocks[0]))
 
 
 def _formula(args, stage, psi, world=None):  # the model state per rank by the formula, bytes
