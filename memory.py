@@ -311,8 +311,9 @@ def largest_model(args):
                 fitted.append(Fit(layers, res["state"] + res["rest"] - state,
                                   res["state"] - state, res["per_block"]))
             return res["ok"]
-        hi, up, down = None, 0, 0  # lo: the most blocks known (or, from the previous stage,
-        while hi is None or hi - lo > 1:  # taken) to fit; hi: the fewest that do not
+        # lo: the most blocks known (or, from the previous stage, taken) to fit, below the cap
+        hi, up, down, lo = None, 0, 0, min(lo, MAX_LAYERS - 1)  # hi: the fewest that do not
+        while hi is None or hi - lo > 1:
             guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
             if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
                 layers, up = lo + 2 ** up, up + 1

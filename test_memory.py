@@ -332,6 +332,21 @@ def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess)
     assert re.search(rf"^{len(calls)} trials in \d+ s$", out, re.M)
 
 
+def test_largest_model_stops_at_its_cap_at_every_stage(monkeypatch, capsys):
+    # every model fits: each stage stops at MAX_LAYERS blocks (the later stages started one
+    # above the earlier stage's wall, so past the cap)
+    calls = []
+
+    def trial(args, stage, layers):
+        calls.append((stage, layers))
+        return {"ok": True, "psi": 1000 * layers, "layers": layers, "state": 1000, "runtime": 0,
+                "rest": 0, "per_block": 0, "error": ""}
+    monkeypatch.setattr(memory, "_trial", trial)
+    monkeypatch.setattr(memory, "MAX_LAYERS", 8)
+    zero.main(["--largest-model", "--max-memory", "1MB", "--world-size", "2", *MODEL])
+    assert calls == [(stage, 8) for stage in range(4)], calls
+
+
 def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
     # One rank (the stages do not differ there), a limit the ranks together cannot have on this
     # machine, a SIGTERM (the trial's ranks are killed on the way out: exit 143), and a limit in
