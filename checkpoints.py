@@ -763,6 +763,7 @@ def load_checkpoint(opt, path):
     1/N of the files (rank r: files r, r+N, ...), so the whole checkpoint is read once, not N
     times. The optimizer's hyper-parameters (lr...) are the checkpoint's. A DCP checkpoint
     (fsdp_demo.py's, of FSDP2): load_dcp."""
+    _one_checkpoint(path, opt.device)
     if path is not None and is_dcp(path):
         return load_dcp(opt, path)
     # Agree before anyone changes anything (or waits alone in a collective): _agreed
@@ -772,6 +773,21 @@ def load_checkpoint(opt, path):
     load_values(opt, _reader(parts, manifest), checkpoint_state_keys(parts),
                 checkpoint_scalars(parts), parts[0]["hyper"], parts[0]["replicated"])
     return manifest
+
+
+def _one_checkpoint(path, device):
+    """Raise on every rank unless all read the same checkpoint at `path` (None: none), by the
+    hash of its manifest.json (DCP: its marker): copies on each node's own disk may be of other
+    steps, and a part of each would be loaded."""
+    with _agreed(device, OSError, lambda e: f"{path}: {e.strerror or e}"):  # (a node's own)
+        marker = next((os.path.join(path, name) for name in ("manifest.json", DCP_MARKER,
+                       ".metadata") if path and os.path.isfile(os.path.join(path, name))), None)
+        mine = hashlib.sha256(pathlib.Path(marker).read_bytes() if marker else b"").digest()
+    for r, row in enumerate(_all_ranks(list(mine), device)):
+        if bytes(row) != mine:
+            raise CheckpointError(f"{path}: rank {r} reads another checkpoint there than this "
+                                  "rank (a copy on each node's own disk, not the same?): every "
+                                  "rank must load the same one")
 
 
 def checkpoint_tensors(manifest, parts, key="master"):
@@ -1029,17 +1045,9 @@ def resume(opt, args, world, device, log):
     The checkpoint's hyper-parameters are loaded with its state, then --lr is applied: the
     command line has the last word. Returns (the first step to train, the checkpoint or None)."""
     found = choose_checkpoint(args.ckpt_dir, device) if args.ckpt_dir else None
-    with _agreed(device, OSError, lambda e: f"{found}: {e.strerror or e}"):  # (a node's own)
+    with _agreed(device, OSError, lambda e: f"{args.resume_from}: {e.strerror or e}"):
         found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
-        marker = next((os.path.join(found, name) for name in ("manifest.json", DCP_MARKER,
-                       ".metadata") if found and os.path.isfile(os.path.join(found, name))), None)
-        mine = hashlib.sha256(pathlib.Path(marker).read_bytes() if marker else b"").digest()
-    # The same checkpoint on every rank: copies on each node's own disk may be of other steps
-    for r, row in enumerate(_all_ranks(list(mine), device)):
-        if bytes(row) != mine:
-            raise CheckpointError(f"{found or args.resume_from}: rank {r} reads another checkpoint "
-                                  "there than this rank (a copy on each node's own disk, not the "
-                                  "same?): every rank must resume the same one")
+    _one_checkpoint(found, device)
     if not found:
         return 1, None
     # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)

@@ -642,6 +642,10 @@ def abused_ranks(rank, world):
         checkpoints.resume(opt, args, world, torch.device("cpu"), print)
     except checkpoints.CheckpointError as e:
         out["mixed"] = str(e)
+    try:  # the library's load_checkpoint too
+        checkpoints.load_checkpoint(opt, args.resume_from)
+    except checkpoints.CheckpointError as e:
+        out["mixed load"] = str(e)
     args.resume_from = os.path.join(root, "step_00000002" if rank == 0 else "gone")  # (a node
     try:                                                        # without it: every rank stops)
         checkpoints.resume(opt, args, world, torch.device("cpu"), print)
@@ -685,9 +689,10 @@ def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
     assert re.fullmatch(r"step 10 not saved: \S+__1_0\.distcp, which another rank wrote, is not "
                         r"there for rank 0: .*", ranks[0]["local dcp"]), ranks[0]["local dcp"]
     for rank, other in enumerate([1, 0]):
-        assert ranks[rank]["mixed"].endswith(f": rank {other} reads another checkpoint there than "
-                                             "this rank (a copy on each node's own disk, not the "
-                                             "same?): every rank must resume the same one")
+        for case in ("mixed", "mixed load"):
+            assert ranks[rank][case].endswith(f": rank {other} reads another checkpoint there "
+                                              "than this rank (a copy on each node's own disk, "
+                                              "not the same?): every rank must load the same one")
         assert ranks[rank]["missing"].endswith("gone: no such file or directory")
 
 
