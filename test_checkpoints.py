@@ -799,6 +799,21 @@ def test_rotation_keeps_the_new_checkpoint_and_only_reads_exact_names(one_rank, 
     assert sorted(os.listdir(root)) == sorted(["step_00000016", *odd])
 
 
+def test_load_state_dict_refuses_another_optimizers_before_any_change(one_rank):
+    # AdamW's state into SGD: it loaded, and SGD's step failed on a KeyError ('momentum'); SGD's
+    # into AdamW failed on 'step' with the weights replaced already; AdamW's into Adam changed
+    # the user's Adam into AdamW's hyper-parameters, silently
+    own = wrapped(0, 1, "adamw", seed=100)[1].state_dict()
+    model = Net(seed=200)
+    opt = zero.wrap(model, 1, functools.partial(torch.optim.Adam, lr=1e-2),
+                    units=[model.emb, *model.blocks, model.norm, model.head])
+    before = opt.full_state_dict()
+    with pytest.raises(checkpoints.CheckpointError, match="of this model and optimizer"):
+        opt.load_state_dict(own)
+    assert all(torch.equal(t, before[n]) for n, t in opt.full_state_dict().items())
+    assert not opt.optimizer.param_groups[0].get("decoupled_weight_decay")
+
+
 def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp_path):
     # rank 0 alone failed at its manifest (json.dumps), the others waited in a collective
     model, opt = wrapped(0, 1, "adamw", seed=100)
