@@ -277,6 +277,16 @@ def check_fits(args, world, device):
                          f"{ranks} rank(s) here: more than the {_si(have)}B there is")
 
 
+@contextlib.contextmanager
+def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@exit_on_sigterm()  # _trial's finally kills the trial's ranks
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
     trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
@@ -335,15 +345,6 @@ def largest_model(args):
     if not walls:
         raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
                           f"within --max-memory {_si(args.max_memory)}B at any stage")
-
-
-@contextlib.contextmanager
-def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
-    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 # What a trial that fitted measured, beyond the formula's model state (bytes): at the most, all
@@ -683,7 +684,8 @@ def train_every_stage(args):
 
 
 def check_timeline_args(args):
-    """--timeline, --timeline-all: bad input is a UsageError before anything runs."""
+    """--timeline, --timeline-all: bad input is a UsageError before anything runs; else the
+    last step is the one recorded."""
     path = args.timeline or args.timeline_all
     if args.timeline and args.timeline_all:
         raise UsageError("--timeline and --timeline-all: choose one")
@@ -702,3 +704,4 @@ def check_timeline_args(args):
                          if not os.path.isdir(path) else f"{path} is a directory")
     if not path.endswith(".svg"):
         raise UsageError(f"{path}: the timeline is an SVG picture: name it FILE.svg")
+    args.record_step = args.steps  # the last step's events

@@ -1278,6 +1278,12 @@ def test_a_step_of_the_torch_optimizer_alone_is_refused(one_rank, stage):
     with pytest.raises(RuntimeError, match=r"^zero: step the wrapped optimizer, opt.step\(\)"):
         opt.optimizer.step()
     opt.step()  # (the wrapped one steps it, as before)
+    # a group added after wrap(): stepped on each rank's own gradients, the ranks apart
+    opt.zero_grad()
+    opt.optimizer.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    model(torch.randn(B, D)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"a group added since each rank's own"):
+        opt.step()
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -2175,6 +2181,8 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--ckpt-dir", ""], "--ckpt-dir '': an empty name"),  # (else: no checkpoints)
              (["--consolidate", ""], "--consolidate '': an empty name"),  # (else: training)
              (["--lr", "1e39"], "beyond float32's range"),
+             (["--steps", "2.5"], "'2.5' is not a whole number"),
+             (["--lr", "abc"], "'abc' is not a number"),
              (["--init-from", str(afile)], "not a state_dict file that can be read (not the "
               "zip file torch.save writes; a legacy-format one: torch.load it"),  # (not mmap's)
              (["--shard-size", "2"], "must divide the world size 1"),

@@ -943,11 +943,13 @@ def optimizer_of_pieces(zero, make):
 
 def refuse_silent_steps(zero, *_):
     """Before the torch optimizer steps, refused: a step of its own (its tensors get their .grad
-    in opt.step() only: it would step nothing); a p.grad set by hand since backward (p.grad = g:
-    step() steps what backward put in the units, which stages 0, 1 show as p.grad views)."""
-    if all(u.step_grad is None for u in zero.units):  # (set in the wrapped step() only)
-        raise RuntimeError("zero: step the wrapped optimizer, opt.step(): opt.optimizer.step() "
-                           "would step nothing (its tensors get their gradients in opt.step())")
+    in opt.step() only: it would step nothing) or of a group added after wrap() (each rank's own
+    gradients); a p.grad set by hand since backward (p.grad = g: step() steps what backward put
+    in the units, which stages 0, 1 show as p.grad views)."""
+    if all(u.step_grad is None for u in zero.units) or len(zero.optimizer.param_groups) > 1:
+        raise RuntimeError("zero: step the wrapped optimizer, opt.step(), over what wrap() gave "
+                           "it: opt.optimizer.step() would step nothing (its tensors get their "
+                           "gradients in opt.step()), a group added since each rank's own")
     for u, p in [(u, p) for u in zero.units for p in u.params if p.grad is not None]:
         if not zero.keeps_full_grads or p.grad._base is not u.grad:  # (not a view of u.grad)
             raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]}"
@@ -1791,7 +1793,8 @@ def positive(kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' * (kind is int)}number") \
+                from None
         if not 0 < value < float("inf"):
             raise argparse.ArgumentTypeError(f"{text!r} must be positive")
         return value
@@ -1916,7 +1919,6 @@ def main(argv=None):
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
         _memory().check_timeline_args(args)
-        args.record_step = args.steps
     if args.world_size and args.shard_size and args.world_size % args.shard_size:
         raise UsageError(f"--shard-size {args.shard_size} does not divide --world-size "
                          f"{args.world_size}")
@@ -1933,8 +1935,7 @@ def main(argv=None):
     elif args.consolidate:
         _checkpoints().consolidate_command(args)
     elif args.largest_model:
-        with _memory().exit_on_sigterm():  # _trial's finally kills the trial's ranks
-            _memory().largest_model(args)
+        _memory().largest_model(args)  # (a SIGTERM ends it through its finally blocks)
     elif args.timeline_all:
         _memory().train_every_stage(args)
     else:
@@ -1984,8 +1985,7 @@ def run(main, argv=None):
     sys.exit(code)
 
 
-# _checkpoints(), _memory(), _hybrid(), _meta_init(), _tradeoffs(): checkpoints.py, memory.py,
-# hybrid.py, meta_init.py and tradeoffs.py, files of their own, imported when needed
+# checkpoints.py, memory.py, hybrid.py, meta_init.py and tradeoffs.py: imported when needed
 _checkpoints, _memory, _hybrid, _meta_init, _tradeoffs = (functools.partial(__import__, name)
     for name in ("checkpoints", "memory", "hybrid", "meta_init", "tradeoffs"))
 
