@@ -104,8 +104,8 @@ def load_own_part(zero, state):
     0, N/G parts with hybrid sharding), and gets the rest from the ranks that wrote it."""
     q = part_index(zero.rank, zero.world, zero.N)
     with _agreed(zero.device):  # one rank's refusal is every rank's: none waits
-        if not isinstance(state, dict) or state.get("rank") != q or state.get(
-                "layout") != layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
+        if not isinstance(state, dict) or state.get("rank") != q or state.get("layout") != \
+                layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
             raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
                                   "this model and optimizer at this stage and world size; for any "
                                   "other, use save_checkpoint() and load_checkpoint()")

@@ -1793,8 +1793,8 @@ def positive(kind):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' * (kind is int)}number") \
-                from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a {'whole ' * (kind is int)}number") from None
         if not 0 < value < float("inf"):
             raise argparse.ArgumentTypeError(f"{text!r} must be positive")
         return value
