@@ -262,6 +262,25 @@ def full_state_dict(zero):
             for n, p in zero.model.named_parameters()}
 
 
+def fit_problem(model, state):
+    """(the first reason the plain state_dict `state` does not fit `model`: a key, a shape, a
+    kind of dtype; or None), and for each of the model's tensors its first key in `state` (a
+    tied one may have two: its other in the third)."""
+    want = model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
+    key_of = {t: key for key, t in reversed(want.items()) if key in state}
+    twin = {t: key for key, t in want.items() if key in state and key != key_of[t]}
+    return next(filter(None, itertools.chain(
+        (f"no {key!r} in it" for key, t in want.items() if t not in key_of),
+        (f"{key!r} is not in the model" for key in state if key not in want),
+        (f"{key!r} is not a tensor" if not torch.is_tensor(s := state[key]) else
+         f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} {t.dtype} here"
+         if s.shape != t.shape or s.is_floating_point() != t.dtype.is_floating_point else None
+         for t, key in key_of.items()),
+        (f"{key!r} is tied to {key_of[t]!r} here, but not {tuple(t.shape)} there"
+         for t, key in twin.items() if getattr(state[key], "shape", None) != t.shape))), None), \
+        key_of, twin
+
+
 def load_full_state_dict(zero, state):
     """opt.load_full_state_dict(state): load a plain state_dict, e.g. pretrained weights as
     torch.load(path, mmap=True, weights_only=True) gives them, into a wrapped model. Each rank
@@ -270,19 +289,7 @@ def load_full_state_dict(zero, state):
     pages; stages 0-2 then all-gather the rest, as after a step. Keys, shapes and kinds of dtype
     (floating or not) must fit the model; a tied parameter needs one of its names (given two,
     their values must be equal: each rank compares its own elements)."""
-    want = zero.model.state_dict(keep_vars=True)  # key -> the model's own tensor (no reads)
-    # the model's tensor -> its first key in the state_dict (a tied one has two), and its other
-    key_of = {t: key for key, t in reversed(want.items()) if key in state}
-    twin = {t: key for key, t in want.items() if key in state and key != key_of[t]}
-    problem = next(filter(None, itertools.chain(  # the first problem: a key, a shape, a dtype
-        (f"no {key!r} in it" for key, t in want.items() if t not in key_of),
-        (f"{key!r} is not in the model" for key in state if key not in want),
-        (f"{key!r} is not a tensor" if not torch.is_tensor(s := state[key]) else
-         f"{key!r} is {tuple(s.shape)} {s.dtype} there, {tuple(t.shape)} {t.dtype} here"
-         if s.shape != t.shape or s.is_floating_point() != t.dtype.is_floating_point else None
-         for t, key in key_of.items()),
-        (f"{key!r} is tied to {key_of[t]!r} here, but not {tuple(t.shape)} there"
-         for t, key in twin.items() if getattr(state[key], "shape", None) != t.shape))), None)
+    problem, key_of, twin = fit_problem(zero.model, state)
     if problem:
         raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
                          f"{problem}")

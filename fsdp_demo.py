@@ -145,8 +145,15 @@ def materialize(model, args, device):
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
     full = {}  # rank 0's, for every rank
-    if dist.get_rank() == 0 and args.init_from:
-        full = checkpoints.read_state_dict(args.init_from)
+    if args.init_from:  # every rank checks it (the same file: read_state_dict), as zero.py does
+        full = checkpoints.read_state_dict(args.init_from, device)
+        problem, key_of, twin = checkpoints.fit_problem(model, full)
+        problem = problem or next((f"tied here, different there: {key_of[t]} and {k}" for t, k in
+                                   twin.items() if not torch.equal(full[k], full[key_of[t]])), None)
+        if problem:
+            raise zero.UsageError(f"--init-from {args.init_from}: does not fit the model: {problem}")
+        full = {k: full[key_of[t]] for k, t in model.state_dict(keep_vars=True).items()
+                } if dist.get_rank() == 0 else {}  # (each key: set_model_state_dict is strict)
     elif dist.get_rank() == 0:  # built whole on the CPU (its constructor draws an init), then
         whole = zero.GPT(args.seq_len, args.d_model, args.n_layer, args.n_head)  # seeded again
         torch.manual_seed(args.seed)

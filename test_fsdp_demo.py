@@ -84,7 +84,22 @@ def fsdp_scenarios(rank, world):
 @scenario(2)
 def fsdp_bad_input(rank, world):
     import fsdp_demo
-    return [(args, *main_refused(fsdp_demo.main, args)) for args in BAD_FSDP]
+    # --init-from a state_dict that does not fit (a key missing, a tie's values apart): refused
+    # on every rank as zero.py refuses it (a traceback before; the untied one trained silently)
+    path = os.path.join(os.environ["ZERO_TEST_TMP"], "bad-init-{}.pt")
+    if rank == 0:
+        state = zero.GPT(16, 16, 2, 4).state_dict()  # MODEL's
+        torch.save({**state, "head.weight": state["head.weight"] + 1}, path.format("untied"))
+        torch.save({k: v for k, v in state.items() if k != "wpe.weight"}, path.format("missing"))
+    dist.barrier()
+    return [(args, *main_refused(fsdp_demo.main, args)) for args in BAD_FSDP] + [
+        (name, *main_refused(fsdp_demo.main, ["--stage", stage, *SMALL, "--init-from",
+                                              path.format(name)]))
+        for name in BAD_INIT for stage in ["0"] + ["3"] * (not OLD)]
+
+
+BAD_INIT = {"untied": "tied here, different there: wte.weight and head.weight",
+            "missing": "does not fit the model: no 'wpe.weight' in it"}
 
 
 BAD_FSDP = {("--stage", "5"): "--stage",
@@ -236,10 +251,11 @@ def test_fsdp_demo_bad_input(ran, refused, monkeypatch):
     assert err.startswith(f"fsdp_demo.py: error: {message}") and "Traceback" not in err + out
     # and each bad input, as fsdp_demo.main raises it on every rank
     for answers in ran(fsdp_bad_input, 2):
-        assert [args for args, _, _ in answers] == list(BAD_FSDP)
+        assert [args for args, _, _ in answers] == list(BAD_FSDP) + [
+            name for name in BAD_INIT for _ in range(1 if OLD else 2)]
         for args, message, printed in answers:
-            assert BAD_FSDP[args] in message and "\n" not in message and printed == "", \
-                (args, message)
+            assert {**BAD_FSDP, **BAD_INIT}[args] in message and "\n" not in message and \
+                printed == "", (args, message)
     # and PyTorch's FSDP2 on the CPU, where torch is too old for it (< 2.9): refused before a run
     monkeypatch.setattr(fsdp_demo, "NO_CPU_FSDP2", "too old")
     for argv in (["--stage", "2"], ["--bench"]):
