@@ -22,6 +22,7 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from zero import (UsageError, _all_ranks, all_gather, keep_writes, layout, replicated,
                   same_on_every_rank, split_pieces)
@@ -558,8 +559,10 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     rank cannot write (a full disk...), every rank raises CheckpointError, what this save wrote
     is removed, and the checkpoints written before are as they were."""
     # Refused on every rank alike (rank 0 failing alone at its manifest leaves the others waiting)
-    if not _count(step):
-        raise ValueError(f"zero: save_checkpoint's step must be an int, 0 or more, not {step!r}")
+    for name, value in (("step", step), ("keep", keep)):
+        if not _count(value):
+            raise ValueError(f"zero: save_checkpoint's {name} must be an int, 0 or more, not "
+                             f"{value!r}")
     try:  # (rank 0 writes it into the manifest, where a load reads a dict)
         if not isinstance(extra or {}, dict):
             raise TypeError(f"a {type(extra).__name__}")
@@ -851,7 +854,7 @@ def consolidate(path, out, kind):
                 dcp.save_state_dict(state, dcp.FileSystemWriter(tmp), no_dist=True)  # no group
             _commit(tmp, out.rstrip(os.sep), DCP_MARKER, {"format": DCP_FORMAT, "optimizer": None,
                     **{k: manifest[k] for k in ("step", "stage", "world_size", "extra")}})
-    except (OSError, RuntimeError, _dcp_error()) as e:
+    except (OSError, RuntimeError, SafetensorError, _dcp_error()) as e:
         if kind == "dcp":
             shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"{getattr(e, 'filename', None) or out}: cannot be written "
@@ -1038,6 +1041,8 @@ def consolidate_command(args):
     if is_dcp(path):
         raise CheckpointError(f"{path}: a DCP checkpoint, not one of zero.py's (no manifest.json): "
                               "DCP's is read by dcp_to_torch_save")
+    if os.path.realpath(name).startswith(os.path.join(os.path.realpath(args.consolidate), "")):
+        raise UsageError(f"--out {out}: inside the checkpoints it reads, {args.consolidate}")
     m = consolidate(path, out, kind)
     print(f"wrote {out} ({kind}): {len(m['keys'])} tensors, Ψ = {m['psi']:,}, step {m['step']} "
           f"(written at stage {m['stage']} by {m['world_size']} rank(s), "

@@ -548,6 +548,8 @@ def checkpoint_error_cases(tmp):
             (["--consolidate", ckpt, "--out", plain + ".out"], "name a .pt or .safetensors file"),
             (["--consolidate", ckpt, "--out", plain + "/"], "ends in /"),  # (plain.pt is a file)
             (["--consolidate", ckpt, "--out", "/proc/m.dcp"], "cannot write in /proc"),  # (root)
+            (["--consolidate", ckpt, "--out", os.path.join(ckpt, "model.pt")],  # (it wrote there)
+             "inside the checkpoints it reads"),
             (["--ckpt-every", "2"], "needs --ckpt-dir"), (["--bucket-mb", "-1"], "--bucket-mb"),
             # the same shapes, another model: recorded beside the data position, and refused
             (["--n-head", "2", "--ckpt-dir", ckpt], "written with --n-head 4, not 2"),
@@ -819,11 +821,28 @@ def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp
     model, opt = wrapped(0, 1, "adamw", seed=100)
     for step, extra, message in [("5", None, "step must be an int, 0 or more, not '5'"),
                                  (-1, None, "step must be an int, 0 or more, not -1"),
+                                 (3, None, "keep must be an int, 0 or more, not '2'"),
                                  (3, {"rng": torch.ones(2)}, "extra must be a dict that JSON"),
                                  (3, ["epoch", 3], "extra must be a dict that JSON")]:
         with pytest.raises(ValueError, match="^zero: save_checkpoint's " + re.escape(message)):
-            checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), step, extra)
+            checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), step, extra,
+                                        keep="2" if "keep" in message else 2)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_consolidate_to_safetensors_on_a_full_disk_is_one_line(one_rank, tmp_path, monkeypatch):
+    # safetensors' own error (a traceback before), as .pt and .dcp on a full disk: nothing left
+    import safetensors.torch
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), 1)
+
+    def full(*args, **kwargs):
+        raise checkpoints.SafetensorError("Error while serializing: No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(zero.UsageError, match="m.safetensors: cannot be written .*No space left"):
+        checkpoints.consolidate(str(tmp_path / "ckpt" / "step_00000001"),
+                                str(tmp_path / "m.safetensors"), "safetensors")
+    assert os.listdir(tmp_path) == ["ckpt"]
 
 
 def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):

@@ -2156,6 +2156,12 @@ def test_a_file_that_cannot_be_written_is_one_line(monkeypatch, capsys):
         zero.run(main)
     assert e.value.code == 1
     assert capsys.readouterr().err.endswith(": error: [Errno 28] No space left on device\n")
+    # a LOCAL_RANK left in the shell, without torchrun's RANK: the line was not printed at all
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        zero.run(main)
+    assert capsys.readouterr().err.endswith(": error: [Errno 28] No space left on device\n")
 
 
 def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
@@ -2483,8 +2489,10 @@ def test_setup_uses_the_group_that_is_up(gpus, one_rank, monkeypatch):
         zero.setup("nccl")
 
 
-@pytest.mark.parametrize("env", [{"RANK": "0"}, {"RANK": "0", "WORLD_SIZE": "2",
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"}])
+@pytest.mark.parametrize("env", [{"RANK": "0"}, *[dict(
+    {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, **bad)
+    for bad in ({"MASTER_PORT": "abc"}, {"MASTER_PORT": "99999"}, {"WORLD_SIZE": "0"},
+                {"RANK": "2"}, {"RANK": "-1"})]])
 def test_rank_without_the_rest_of_torchruns_environment_is_one_line(env, monkeypatch):
     # RANK set means torchrun's store: without its address, port and world size (whole
     # numbers), a KeyError or ValueError traceback, before any store is made
@@ -2492,7 +2500,7 @@ def test_rank_without_the_rest_of_torchruns_environment_is_one_line(env, monkeyp
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(zero.UsageError, match="RANK is set, but torchrun's environment is"):
+    with pytest.raises(zero.UsageError, match="RANK is set, but torchrun's environment is in"):
         zero._attempt_store(datetime.timedelta(seconds=1))
 
 

@@ -582,11 +582,10 @@ def setup(backend=None, device=None, timeout_s=600):
     if backend == "nccl":  # a failed collective raises in wait(), as gloo's (no watchdog abort)
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     timeout = timedelta(seconds=timeout_s)  # a dead rank fails the others' next collective
-    # torchrun's store (_attempt_store); plain `python zero.py`: a group of one, the same code
-    store = _attempt_store(timeout) if "RANK" in os.environ else dist.HashStore()
-    dist.init_process_group(backend, store=store, timeout=timeout,
-                            rank=int(os.environ.get("RANK", 0)),  # (no RANK: a WORLD_SIZE not ours)
-                            world_size=int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1)
+    # torchrun's store (_attempt_store); without RANK (even given a WORLD_SIZE): a group of one,
+    store, rank, world = _attempt_store(timeout) if "RANK" in os.environ else (
+        dist.HashStore(), 0, 1)  # (plain `python zero.py`: the same code path)
+    dist.init_process_group(backend, store=store, timeout=timeout, rank=rank, world_size=world)
     return dist.get_rank(), dist.get_world_size(), dev
 
 
@@ -619,16 +618,18 @@ def choose_device(backend, device):
 
 
 def _attempt_store(timeout):
-    """torchrun's store, keys prefixed by the restart attempt: after --max-restarts the store
-    still holds the dead ranks' addresses, and a rank that read one would wait for ever."""
+    """(torchrun's store, rank, world size), the store's keys prefixed by the restart attempt:
+    after --max-restarts it still holds the dead ranks' addresses, which a rank would wait on."""
     env = {k: os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-    if not env["MASTER_ADDR"] or not all(env[k].isdigit() for k in list(env)[1:]):
-        raise UsageError(f"RANK is set, but torchrun's environment is incomplete or not numbers: "
+    port, world, rank = (int(v) if v.isdigit() else -1 for v in list(env.values())[1:])
+    if not env["MASTER_ADDR"] or not (0 < port < 65536 and 0 <= rank < world):
+        raise UsageError(f"RANK is set, but torchrun's environment is incomplete or out of range: "
                          f"{env}; launch with torchrun, or unset RANK for a group of one")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts the store
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
-                          timeout=timeout, is_master=not agent and env["RANK"] == "0")
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    store = dist.TCPStore(env["MASTER_ADDR"], port, world, timeout=timeout, is_master=not agent
+                          and rank == 0)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store), \
+        rank, world
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1777,10 +1778,8 @@ class UsageError(Exception):
     """Bad input from the command line or the environment: printed as one line, exit code 2."""
 
 
-class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows every option's default: its value, or what the help says None means."""
-
-    def _get_help_string(self, action):
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):  # --help: every option's default
+    def _get_help_string(self, action):  # (its value, or what the help says None means)
         return action.help if "(default" in str(action.help) else super()._get_help_string(action)
 
 
@@ -1949,7 +1948,7 @@ def main(argv=None):
 def run(main, argv=None):
     """Run main() or main(argv): bad input, divergence, out of memory: one line, exit 2, 3, 4."""
     code, line, prog = 0, "", os.path.basename(sys.argv[0])
-    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"  # one line a node (ranks raise alike)
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0" or "RANK" not in os.environ  # one a node
     try:
         main(argv) if inspect.signature(main).parameters else main()
     except (UsageError, Diverged) as e:
