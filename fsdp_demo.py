@@ -151,7 +151,8 @@ def materialize(model, args, device):
         problem = problem or next((f"tied here, different there: {key_of[t]} and {k}" for t, k in
                                    twin.items() if not torch.equal(full[k], full[key_of[t]])), None)
         if problem:
-            raise zero.UsageError(f"--init-from {args.init_from}: does not fit the model: {problem}")
+            raise zero.UsageError(f"--init-from {args.init_from}: does not fit the model: "
+                                  f"{problem}")
         full = {k: full[key_of[t]] for k, t in model.state_dict(keep_vars=True).items()
                 } if dist.get_rank() == 0 else {}  # (each key: set_model_state_dict is strict)
     elif dist.get_rank() == 0:  # built whole on the CPU (its constructor draws an init), then
