@@ -21,8 +21,8 @@ How to read a row (from a run at N = 4):
     mistake                stage  measured                                     wrong        right
     late-reduce-scatter        2  peak gradient bytes                       28,520 B     15,080 B
       note: formula, grads: stage 2 4,804 B (+ the units in flight), stage 1 19,216 B
-      why: Reduce-scattered after backward, every unit's full gradient is held at once: the peak
-           is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2.
+      why: Reduce-scattered after backward, every unit's full gradient is held at once: stage 1's
+           peak, and more. It trains right; it saves nothing. Timing is the whole point of stage 2.
       right: ZeRO2._reduce_in_backward
 
 `measured` says what: a loss gap (the global loss of each step against the reference's, the
@@ -316,16 +316,17 @@ class NoSyncKeepsGradients(zero.ZeRO2):
 
 @mistake("2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward")
 def late_reduce_scatter(quick):
-    """Reduce-scattered after backward, every unit's full gradient is held at once: the peak
-    is stage 1's. It trains right; it saves nothing. Timing is the whole point of stage 2."""
+    """Reduce-scattered after backward, every unit's full gradient is held at once: stage 1's
+    peak, and more. It trains right; it saves nothing. Timing is the whole point of stage 2."""
     return peak_bytes(LateReduceScatter, zero.ZeRO2, "grads", 2 if quick else 3)
 
 
 @mistake("2", 2, "peak gradient bytes", "ZeRO2._reduce_in_backward")
 def no_sync_stage_2(quick):
     """no_sync() defers the reduction, so the full gradient lives until the last micro-batch:
-    stage 1's memory. Here it also loses the first micro-batch: ZeRO2 keeps no p.grad to
-    add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every backward."""
+    stage 1's memory, and more. Here it also loses the first micro-batch: ZeRO2 keeps no
+    p.grad to add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every
+    backward."""
     out = peak_bytes(NoSyncKeepsGradients, zero.ZeRO2, "grads", 2 if quick else 3, accum=2)
     out["detail"] = [f"distance to the reference (2 micro-batches a step): wrong "
                      f"{out['wrong_distance']:.2e}, right {out['right_distance']:.1e}"]
@@ -354,7 +355,7 @@ def no_regather(quick):
 @mistake("3", 3, "peak parameter bytes", "zero.default_units (the blocks)")
 def one_unit(quick):
     """With units=[] the whole model is one unit: gathered whole before the first module
-    computes. It trains right, and each rank's peak holds every parameter: stage 0's."""
+    computes. It trains right; each rank's peak: every parameter (stage 0's) beside its shard."""
     # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
     wrong = functools.partial(zero.ZeRO3, units=[])  # WRONG: units=[]
     return peak_bytes(wrong, zero.ZeRO3, "params", 2)
@@ -507,7 +508,7 @@ def optimizer_before_wrap(quick):
     return out
 
 
-@mistake("3", 3, "the saved weights, loaded back",
+@mistake("3", 3, "the saved weights, loaded: distance",
          "zero.guard_sharded_parameters; opt.full_state_dict()")
 def state_dict_at_stage_3(quick):
     """Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.

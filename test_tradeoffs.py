@@ -156,7 +156,9 @@ def test_cluster_bad_input_is_one_line():
                           # (1e24: a million layers, one by one; it ran for minutes)
                           (["--params", "1e24", "--cluster", ""],
                            "at most 1e+15 parameters with --cluster"),
-                          (["--params", "0.5"], "--params 0.5: at least 1 parameter")]:
+                          (["--params", "0.5"], "--params 0.5: at least 1 parameter"),
+                          # (16Ψ bytes overflowed to inf: a traceback in the table)
+                          (["--params", "2e307"], "at most 1e+300 parameters")]:
         error, _ = main_refused(zero.main, SEVEN_B + argv)
         assert error and message in error and "\n" not in error, (argv, error)
     error, _ = main_refused(zero.main, ["--cluster", ""])

@@ -64,9 +64,10 @@ def command(args, argv):
         raise UsageError("--estimate needs --params and --world-size")
     if args.ckpt_dir:
         raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
-    if args.params < 1 or args.cluster is not None and args.params > PARAMS_MAX:
+    most = PARAMS_MAX if args.cluster is not None else 1e300  # (else: 16Ψ bytes are finite)
+    if not 1 <= args.params <= most:
         raise UsageError(f"--params {args.params:g}: " + ("at least 1 parameter" if args.params < 1
-                         else f"at most {PARAMS_MAX:g} parameters with --cluster"))
+                         else f"at most {most:g} parameters" + " with --cluster" * (most < 1e300)))
     cluster = None if args.cluster is None else parse_cluster(args.cluster)
     if cluster and args.world_size % min(cluster.gpus_per_node, args.world_size):
         raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "

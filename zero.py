@@ -1731,7 +1731,8 @@ def report(res, args):
                      for d in (comm, expected))
         log0(f"  {kind:<{24 if G < world else 15}} {got:>14,.0f}   {names.get(kind, '-'):<15} "
              f"{want:>14,.0f}")
-    gloo, on_cuda = ours and stage > 0 and dist.get_backend() == "gloo", bool(res["cuda_peak"])
+    gloo, on_cuda = ours and stage and world > 1 and dist.get_backend() == "gloo", bool(res[
+        "cuda_peak"])
     notes = [  # what the measured bytes count that the formula does not, or otherwise
         (G < world, f"inside a group of {G} (and the check's all-reduce, over all N): "
                     f"{sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
