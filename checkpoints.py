@@ -513,7 +513,8 @@ def ckpt_dir_lock(root, device):
     died, or the group torchrun --max-restarts stops before it starts a new one, never blocks
     the next. (Where the file system has no flock, a warning, and nothing stops a second job.)"""
     import fcntl
-    what = f"checkpoint directory {root}"
+    what, shared = f"checkpoint directory {root}", os.path.join(root, ".zero-shared")
+    looked = lambda: dist.get_rank() == 0 and os.remove(shared)  # noqa: E731
     with contextlib.ExitStack() as held:
         with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
             if any("\udc80" <= c <= "\udcff" for c in root):  # (Python's escapes of such bytes)
@@ -534,6 +535,13 @@ def ckpt_dir_lock(root, device):
                 except OSError as e:
                     print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
                           "other job uses it", file=sys.stderr, flush=True)
+                pathlib.Path(shared).touch()  # removed once every rank looked for it
+        # One directory on every rank: a node's own disk would fail the first save, after training
+        with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError, looked):
+            if not os.path.isfile(shared):
+                raise UsageError(f"{what}: not the one rank 0 sees (each node's own disk?): "
+                                 "--ckpt-dir must be one directory that every rank reaches")
+        looked()
         yield
 
 

@@ -633,6 +633,11 @@ def abused_ranks(rank, world):
     os.environ["LOCAL_RANK"] = saved
     dist.barrier()
     out["local after"] = sorted(os.listdir(local))
+    try:  # and at the start of a run (train() takes --ckpt-dir's lock), before any training
+        with checkpoints.ckpt_dir_lock(local + "-run", torch.device("cpu")):
+            pass
+    except zero.UsageError as e:
+        out["local run"] = str(e)
     try:  # and a DCP save (fsdp_demo.py's), each rank a tensor of its own
         checkpoints.save_dcp({f"x{rank}": torch.ones(4)}, local, 10, {}, torch.device("cpu"))
     except checkpoints.CheckpointError as e:
@@ -687,6 +692,9 @@ def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
                         ranks[0]["local"]), ranks[0]["local"]
     assert ranks[0]["local after"] == ["step_00000002", "step_00000004"]  # nothing of step 8
     assert ranks[1]["local after"] == []  # (rank 1's "node": its part removed too)
+    assert ranks[0]["local run"] == ranks[1]["local run"]
+    assert "-run: not the one rank 0 sees (each node's own disk?)" in ranks[0]["local run"]
+    assert os.listdir(os.path.join(tmp, "abused-ckpt-run")) == []  # (rank 0's probe removed)
     assert ranks[0]["local dcp"] == ranks[1]["local dcp"]
     assert re.fullmatch(r"step 10 not saved: \S+__1_0\.distcp, which another rank wrote, is not "
                         r"there for rank 0: .*", ranks[0]["local dcp"]), ranks[0]["local dcp"]
