@@ -1869,6 +1869,26 @@ def test_a_unit_of_two_dtypes_is_refused_naming_them():
         zero.wrap(model, 1, torch.optim.SGD, units=[])
 
 
+def test_parameters_sharing_elements_are_refused_by_name():
+    # wrap() copies each parameter into its unit: a view of another one (or of the same
+    # elements twice: expand()) was untied there, and trained apart from it, silently
+    class Views(nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(4, 8))
+            self.w2 = nn.Parameter({"view": self.w1.data[:, :4], "own": torch.randn(4),
+                                    "expand": torch.randn(4, 1).expand(4, 8),
+                                    "transposed": torch.randn(8, 4).t()}[kind])
+
+        def forward(self, x):
+            return x @ self.w1.T
+    for kind in ("view", "expand"):
+        with pytest.raises(ValueError, match=r"^zero: w2 shares elements with another parameter"):
+            zero.wrap(Views(kind), 1, torch.optim.SGD, units=[])
+    for kind in ("transposed", "own"):  # (a view of elements of its own: fine)
+        zero.wrap(Views(kind), 1, torch.optim.SGD, units=[])
+
+
 @pytest.mark.parametrize("stage", range(3))
 def test_mixed_precision_keeps_writes_between_steps(stage):
     # a write to a bf16 parameter between steps (weight clipping, a re-init) reaches its fp32

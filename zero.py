@@ -714,6 +714,11 @@ def _trainable_children(module):
 def make_units(zero, model, modules):
     """Each trainable parameter in the unit of the first of `modules` holding it, else the root."""
     real = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.element_size() * (1 + sum(  # bytes it spans
+        (k - 1) * st for k, st in zip(p.shape, p.stride()))), n, p.nbytes)
+        for n, p in real if p.requires_grad and p.numel())  # sorted: an overlap is neighbours'
+    alias = next((n for (lo, hi, n, size), (after, *_) in zip(spans, spans[1:] + [(float("inf"),)])
+                  if hi - lo < size or after < hi), None)
     modules = default_units(model) if modules is None else list(dict.fromkeys(modules))
     inside = {id(m) for m in model.modules() if m is not model}
     sparse = [(n, type(m).__name__) for name, m in model.named_modules()
@@ -744,7 +749,9 @@ def make_units(zero, model, modules):
              "sparse=True): zero.py reduces dense gradients in flat buffers; build it with "
              "sparse=False"),
             (renorm, renorm and f"{renorm[0]} has max_norm: each rank's forward rewrites the rows "
-             "it looks up, in place, so the ranks' weights part; build it without max_norm")]:
+             "it looks up, in place, so the ranks' weights part; build it without max_norm"),
+            (alias, f"{alias} shares elements with another parameter or itself (a view, expand()):"
+             " wrap() would copy them apart into its units, untied; use one Parameter, or two")]:
         if bad:
             raise ValueError(f"zero: {message}")
     zero.unit_modules = modules  # a module holding only tied weights of other units stays listed
@@ -1454,8 +1461,7 @@ def demo_data(path=None):
 class Block(nn.Module):
     def __init__(self, d_model, n_head):
         super().__init__()
-        self.n_head = n_head
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.n_head, self.ln1, self.ln2 = n_head, nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.fc, self.out = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
 
@@ -1549,8 +1555,7 @@ def zero_build(args):
             try:
                 opt.load_full_state_dict(state)
             except ValueError as e:
-                raise UsageError(f"--init-from {args.init_from}: {str(e)[len('zero: '):]}") \
-                    from None
+                raise UsageError(f"--init-from {args.init_from}: {e.args[0][6:]}") from None
         return model, opt, f"zero.py stage {args.stage} ({STAGE_NAMES[args.stage]})"
     return build
 
@@ -1604,8 +1609,7 @@ def _train(args, build, keep_params, quiet, world, device, model, progress):
     times, waits, losses, sent, timeline, skipped = [], [], [], [], None, 0  # waits: Meter.wait's
     start = Counter(opt.comm)
     if first > args.steps:
-        return log(f"nothing left to train: the checkpoint is at step {first - 1}, --steps is "
-                   f"{args.steps}")
+        return log(f"nothing left to train: checkpoint at step {first - 1}, --steps {args.steps}")
     for step in range(first, args.steps + 1):
         progress.step = step
         progress.note("the forward")
@@ -1816,8 +1820,7 @@ def training_parser(description):
                                       f"to {TIMEOUTS[1]:g}")]:
         add(flag, type=positive(kind), default=default, help=text)
     add("--seed", type=int, default=0, help=f"seeds the weights and the batches, 0 to {SEEDS - 1}")
-    add("--data", metavar="FILE",
-        help="train on this file's bytes (default: corpus(), text made by zero.py)")
+    add("--data", metavar="FILE", help="train on this file's bytes (default: zero.py's corpus())")
     add("--clip", type=float, default=1.0, help="global gradient-norm clip; 0 turns it off")
     add("--backend", choices=["nccl", "gloo"],
         help="(default: nccl if every local rank has a GPU of its own, else gloo)")
@@ -1843,8 +1846,7 @@ def training_parser(description):
         "--ckpt-dir comes first (default: none)")
     add("--ckpt-dir", help="write checkpoints here and resume from the newest complete one; one "
                            "job per directory (default: no checkpoints)")
-    add("--ckpt-every", type=positive(int),
-        help="steps between checkpoints (default: after the last step only)")
+    add("--ckpt-every", type=positive(int), help="steps between checkpoints (default: at the end)")
     add("--units", choices=list(UNITS), default="block",
         help="what a unit is: one transformer block (the root: the rest), the whole model, or "
              "each module with parameters of its own (a layer)")
@@ -1970,8 +1972,7 @@ def run(main, argv=None):
     except OSError as e:  # a file this rank cannot write or read (a full disk...): its own line
         code, line = 1, f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
-        ckpt = any(a.split("=")[0] in ("--ckpt-dir", "--ckpt-d", "--ckpt-di") for a in (
-            argv or sys.argv))  # (argparse takes abbreviations: --ckpt-e is --ckpt-every)
+        ckpt = any(a.startswith("--ckpt-d") for a in argv or sys.argv)  # (abbreviated too)
         code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
                            ckpt) * rank0
     if line:
@@ -1992,8 +1993,7 @@ _checkpoints, _memory, _hybrid, _meta_init, _tradeoffs = (functools.partial(__im
 
 def say(line):
     """One line on stderr in one write: the ranks share it; print() writes the newline apart."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    sys.stderr.write(line + "\n")  # (line-buffered: it is flushed)
 
 
 if __name__ == "__main__":
