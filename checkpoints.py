@@ -218,6 +218,7 @@ def check_checkpoint(zero, parts, written):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
                                       f"{sorted(unit['state'])}, other parts have {sorted(keys)}")
     another_optimizer(parts[0].get("optimizer"), zero.optimizer)
+    one_group_each(parts[0].get("hyper"), zero.optimizer)
 
 
 def another_model(here, there, kind="tensor"):
@@ -235,6 +236,15 @@ def another_optimizer(written, optimizer):
     if written != type(optimizer).__name__:
         raise CheckpointError(f"checkpoint was written with optimizer {written}, this run has "
                               f"{type(optimizer).__name__}")
+
+
+def one_group_each(hyper, optimizer):
+    """Raise CheckpointError unless `hyper`, a checkpoint's, holds the hyper-parameters of each
+    of the optimizer's groups (a dict each): load_values would fail after loading the weights."""
+    if not (isinstance(hyper, list) and len(hyper) == len(optimizer.param_groups) and all(
+            isinstance(h, dict) for h in hyper)):
+        raise CheckpointError("the checkpoint's hyper-parameters are not a dictionary for each "
+                              f"of the optimizer's {len(optimizer.param_groups)} group(s)")
 
 
 def _written(zero):
@@ -983,6 +993,7 @@ def check_dcp(model, optimizer, info, tensors, path):
     another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
                          if k.startswith("model.")})
     another_optimizer(info["optimizer"], optimizer)
+    one_group_each(info.get("hyper"), optimizer)
     return keys
 
 

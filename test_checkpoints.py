@@ -33,6 +33,7 @@ given checkpoint, not from outside at whatever step it has reached.
 import argparse
 import contextlib
 import functools
+import hashlib
 import io
 import json
 import os
@@ -836,6 +837,26 @@ def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp
             checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), step, extra,
                                         keep="2" if "keep" in message else 2)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_part_whose_hyper_parameters_are_not_its_groups_changes_nothing(one_rank, tmp_path):
+    # a part edited by hand (its hash in the manifest made anew): torch's raw error came after
+    # the weights were loaded
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    checkpoints.save_checkpoint(opt, str(tmp_path), 1)
+    path = tmp_path / "step_00000001"
+    part = torch.load(path / "rank_00000.pt", weights_only=True)
+    part["units"][0]["master"] += 1
+    part["hyper"] = []
+    torch.save(part, path / "rank_00000.pt")
+    manifest = json.load(open(path / "manifest.json"))
+    data = (path / "rank_00000.pt").read_bytes()
+    manifest["files"]["rank_00000.pt"] = [len(data), hashlib.sha256(data).hexdigest()]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    before = opt.full_state_dict()
+    with pytest.raises(checkpoints.CheckpointError, match="hyper-parameters are not a dict"):
+        checkpoints.load_checkpoint(opt, str(path))
+    assert all(torch.equal(t, before[n]) for n, t in opt.full_state_dict().items())
 
 
 def test_consolidate_to_safetensors_on_a_full_disk_is_one_line(one_rank, tmp_path, monkeypatch):
