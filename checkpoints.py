@@ -413,6 +413,15 @@ def _commit(tmp, path, marker, info, keep=None):
             _rotate(os.path.dirname(path), info["step"], keep)
 
 
+def write_file(path, text):
+    """Write `text` into the file `path` whole or not at all (_atomic_write): a failure (a full
+    disk...) leaves no file and is a UsageError, one line naming it."""
+    try:
+        _atomic_write(path, lambda f: f.write(text.encode()))
+    except OSError as e:
+        raise UsageError(f"{path}: cannot be written ({_reason(e)})") from None
+
+
 def _fsync_dir(path):
     fd = os.open(path or ".", os.O_RDONLY)
     try:

@@ -18,7 +18,7 @@ What it uses of zero.py: train(), the Meter's records (meter.timeline), the form
 (memory_formula), the demo GPT and the command line's parser (training_parser, check_args).
 zero.py imports this file at the flags and the calls that need it.
 """
-import argparse, bisect, contextlib, functools, os, pathlib, signal, socket, sys, time
+import argparse, bisect, contextlib, functools, os, signal, socket, sys, time
 from collections import namedtuple
 from html import escape
 from itertools import accumulate
@@ -666,7 +666,8 @@ def show_timeline(panels, path):
     """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
     if dist.get_rank() == 0:
         print("\n" + timeline_text(panels), flush=True)
-        pathlib.Path(path).write_text(timeline_svg(panels), encoding="utf-8")
+        from checkpoints import write_file  # (the files: checkpoints.py's)
+        write_file(path, timeline_svg(panels))
         print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
 
 

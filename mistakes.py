@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, inspect, io, json, os, pathlib, textwrap, time, types
+import collections, contextlib, functools, inspect, io, json, os, textwrap, time, types
 from datetime import timedelta
 
 import torch
@@ -681,7 +681,8 @@ def main(argv=None):
                      right=r["right"], why=" ".join(m.why.splitlines()), where=m.where,
                      **({"guard": r["guard"]} if "guard" in r else {}), detail=r.get("detail", []))
                 for n, r in results.items() for m in [MISTAKES[n]]]
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        from checkpoints import write_file  # (the files: checkpoints.py's)
+        write_file(args.json, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

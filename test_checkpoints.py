@@ -859,6 +859,22 @@ def test_a_part_whose_hyper_parameters_are_not_its_groups_changes_nothing(one_ra
     assert all(torch.equal(t, before[n]) for n, t in opt.full_state_dict().items())
 
 
+def test_a_file_written_on_a_full_disk_is_one_line_and_leaves_none(tmp_path, monkeypatch):
+    # --timeline's SVG and mistakes.py's --json, after the run: an OSError's line without the
+    # file's name before, and a file of 0 bytes left
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(zero.UsageError, match=r"t\.svg: cannot be written \(No space left"):
+        checkpoints.write_file(str(tmp_path / "t.svg"), "<svg/>")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    checkpoints.write_file(str(tmp_path / "t.svg"), "<svg>Ψ</svg>")
+    assert (tmp_path / "t.svg").read_text(encoding="utf-8") == "<svg>Ψ</svg>"
+
+
 def test_consolidate_to_safetensors_on_a_full_disk_is_one_line(one_rank, tmp_path, monkeypatch):
     # safetensors' own error (a traceback before), as .pt and .dcp on a full disk: nothing left
     import safetensors.torch
