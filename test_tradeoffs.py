@@ -158,7 +158,11 @@ def test_cluster_bad_input_is_one_line():
                            "at most 1e+15 parameters with --cluster"),
                           (["--params", "0.5"], "--params 0.5: at least 1 parameter"),
                           # (16Ψ bytes overflowed to inf: a traceback in the table)
-                          (["--params", "2e307"], "at most 1e+300 parameters")]:
+                          (["--params", "2e307"], "at most 1e+300 parameters"),
+                          # training's flags, which it would ignore
+                          (["--init-from", "x.pt"], "--init-from is for training"),
+                          (["--data", __file__], "--data is for training"),
+                          (["--bucket-mb", "25"], "--bucket-mb is for training")]:
         error, _ = main_refused(zero.main, SEVEN_B + argv)
         assert error and message in error and "\n" not in error, (argv, error)
     error, _ = main_refused(zero.main, ["--cluster", ""])

@@ -62,8 +62,11 @@ def command(args, argv):
         return tradeoff_table(args)
     if args.params is None or args.world_size is None:
         raise UsageError("--estimate needs --params and --world-size")
-    if args.ckpt_dir:
-        raise UsageError("--ckpt-dir is for training: --estimate trains nothing")
+    for flag, value in [("--ckpt-dir", args.ckpt_dir), ("--resume-from", args.resume_from),
+                        ("--init-from", args.init_from), ("--data", args.data),
+                        ("--max-memory", args.max_memory), ("--bucket-mb", args.bucket_mb)]:
+        if value:  # (each would be ignored)
+            raise UsageError(f"{flag} is for training: --estimate trains nothing")
     most = PARAMS_MAX if args.cluster is not None else 1e300  # (else: 16Ψ bytes are finite)
     if not 1 <= args.params <= most:
         raise UsageError(f"--params {args.params:g}: " + ("at least 1 parameter" if args.params < 1
