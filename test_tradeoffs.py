@@ -159,6 +159,7 @@ def test_cluster_bad_input_is_one_line():
                           (["--params", "0.5"], "--params 0.5: at least 1 parameter"),
                           # (16Ψ bytes overflowed to inf: a traceback in the table)
                           (["--params", "2e307"], "at most 1e+300 parameters"),
+                          (["--params", "7.5"], "--params 7.5: a whole number of parameters"),
                           # training's flags, which it would ignore
                           (["--init-from", "x.pt"], "--init-from is for training"),
                           (["--data", __file__], "--data is for training"),

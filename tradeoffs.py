@@ -68,9 +68,10 @@ def command(args, argv):
         if value:  # (each would be ignored)
             raise UsageError(f"{flag} is for training: --estimate trains nothing")
     most = PARAMS_MAX if args.cluster is not None else 1e300  # (else: 16Ψ bytes are finite)
-    if not 1 <= args.params <= most:
+    if not 1 <= args.params <= most or args.params % 1:
         raise UsageError(f"--params {args.params:g}: " + ("at least 1 parameter" if args.params < 1
-                         else f"at most {most:g} parameters" + " with --cluster" * (most < 1e300)))
+                         else f"at most {most:g} parameters" + " with --cluster" * (most < 1e300)
+                         if args.params > most else "a whole number of parameters"))
     cluster = None if args.cluster is None else parse_cluster(args.cluster)
     if cluster and args.world_size % min(cluster.gpus_per_node, args.world_size):
         raise UsageError(f"--cluster gpus_per_node={cluster.gpus_per_node} does not divide "
