@@ -1735,8 +1735,8 @@ def report(res, args):
                      for d in (comm, expected))
         log0(f"  {kind:<{24 if G < world else 15}} {got:>14,.0f}   {names.get(kind, '-'):<15} "
              f"{want:>14,.0f}")
-    gloo, on_cuda = ours and stage and world > 1 and dist.get_backend() == "gloo", bool(res[
-        "cuda_peak"])
+    gloo = ours and stage and world > 1 and dist.get_backend() == "gloo"  # (N = 1: nothing sent)
+    on_cuda = bool(res["cuda_peak"])
     notes = [  # what the measured bytes count that the formula does not, or otherwise
         (G < world, f"inside a group of {G} (and the check's all-reduce, over all N): "
                     f"{sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
@@ -1980,7 +1980,7 @@ def run(main, argv=None):
     if dist.is_initialized() and code not in (1, 4, 130):
         time.sleep(0.05)  # torch 2.6: a gloo thread letting go of a tensor waits for the GIL,
         dist.destroy_process_group()  # which this holds while it joins them: let them finish
-    sys.stdout.flush()  # (stderr: say() flushed it)
+    sys.stdout.flush()  # (stderr is line-buffered: flushed at each newline)
     if code in (1, 4, 130):  # the group is not destroyed (a rank is gone): no teardown, which
         os._exit(code)       # would join gloo's threads, stuck in the last collective
     sys.exit(code)
@@ -1993,7 +1993,7 @@ _checkpoints, _memory, _hybrid, _meta_init, _tradeoffs = (functools.partial(__im
 
 def say(line):
     """One line on stderr in one write: the ranks share it; print() writes the newline apart."""
-    sys.stderr.write(line + "\n")  # (line-buffered: it is flushed)
+    sys.stderr.write(line + "\n")  # (stderr is line-buffered: flushed at the newline)
 
 
 if __name__ == "__main__":
