@@ -1087,7 +1087,6 @@ def resume(opt, args, world, device, log):
     found = choose_checkpoint(args.ckpt_dir, device) if args.ckpt_dir else None
     with _agreed(device, OSError, lambda e: f"{args.resume_from}: {e.strerror or e}"):
         found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
-    _one_checkpoint(found, device)
     if not found:
         return 1, None
     # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)

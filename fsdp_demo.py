@@ -275,6 +275,7 @@ class Torch:
     def load_checkpoint(self, path):
         """checkpoints.load_checkpoint's counterpart: FSDP2 continues a DCP checkpoint, or
         zero.py's own, of any stage and world size. Returns its step, stage, N and extra."""
+        checkpoints._one_checkpoint(path, self.device)  # every rank the same one
         with checkpoints._agreed(self.device):  # every rank's error on every rank, before a change
             if checkpoints.is_dcp(path):
                 info, tensors = checkpoints.read_dcp(path)
