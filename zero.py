@@ -56,7 +56,7 @@ Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/I
 Activations are not model state, and no stage here shards them.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, inspect, os
-import statistics, sys, time, types, warnings, weakref
+import sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -745,11 +745,10 @@ def make_units(zero, model, modules):
              f"{real[0][1].device}: build the whole model under torch.device('meta')"),
             (any(id(m) not in inside for m in modules),
              "every unit must be a submodule of the model (not the model itself)"),
-            (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]} with "
-             "sparse=True): zero.py reduces dense gradients in flat buffers; build it with "
-             "sparse=False"),
+            (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]}, "
+             "sparse=True): zero.py reduces dense ones in flat buffers; use sparse=False"),
             (renorm, renorm and f"{renorm[0]} has max_norm: each rank's forward rewrites the rows "
-             "it looks up, in place, so the ranks' weights part; build it without max_norm"),
+             "it looks up: the ranks' weights part; build it without"),
             (alias, f"{alias} shares elements with another parameter or itself (a view, expand()):"
              " wrap() would copy them apart into its units, untied; use one Parameter, or two")]:
         if bad:
@@ -956,8 +955,7 @@ def refuse_silent_steps(zero, *_):
     in the units, which stages 0, 1 show as p.grad views)."""
     if all(u.step_grad is None for u in zero.units) or len(zero.optimizer.param_groups) > 1:
         raise RuntimeError("zero: step the wrapped optimizer, opt.step(), over what wrap() gave "
-                           "it: opt.optimizer.step() would step nothing (its tensors get their "
-                           "gradients in opt.step()), a group added since each rank's own")
+                           "it (not opt.optimizer.step(), nor a group added since)")
     for u, p in [(u, p) for u in zero.units for p in u.params if p.grad is not None]:
         if not zero.keeps_full_grads or p.grad._base is not u.grad:  # (not a view of u.grad)
             raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]}"
@@ -1235,12 +1233,9 @@ class ShardedParameter(nn.Parameter):
         leaves = torch.utils._pytree.tree_leaves((args, kwargs)) if reads else ()  # cat([p]) too
         for u, a in [(a._zero_unit(), a) for a in leaves if type(a) is cls]:
             if not u.gathered or u.prefetch is not None:  # (prefetched: its values on the way)
-                raise RuntimeError(
-                    f"zero: {a._zero_name} is sharded at stage 3 and not gathered now: only while "
-                    "its module computes (a module computing with it belongs in its unit; a hook "
-                    "reading it: a forward pre-hook registered after wrap(), a forward hook before)"
-                    "; read it: in `with opt.gathered():` on every rank, or opt.full_state_dict(); "
-                    "save: checkpoints.save_checkpoint()")
+                raise RuntimeError(f"zero: {a._zero_name} is sharded at stage 3 and not gathered "
+                                   "now: read it in `with opt.gathered():` on every rank, or "
+                                   "opt.full_state_dict(); hooks: docs/api.md")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
@@ -1275,8 +1270,7 @@ def check_step_agrees(zero):
     # (frozen after wrap(): step() leaves it, as torch)
     for name in [name for name, p in zero.frozen if p.requires_grad]:
         raise RuntimeError(f"zero: {name} was frozen at wrap() and requires grad now: wrap() "
-                           "shards and steps the parameters trainable then; build the model "
-                           "with it trainable and wrap it again")
+                           "steps those trainable then; build it trainable and wrap it again")
     for u in [u for u in zero.units if getattr(u, "users", 0)]:
         raise RuntimeError(f"zero: unit {u.index} is still gathered by a forward that did not "
                            "finish (or a gathered() block): step() would leave it stale")
@@ -1361,9 +1355,8 @@ def _convert(module, apply, names, fn, recurse=True):
         probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
         if hasattr(p, "_zero_unit") and (probe.dtype, probe.device) != (p.dtype, p.device):
             raise RuntimeError(f"zero: converting the wrapped model would make {names[p]} "
-                               f"{probe.dtype} on {probe.device}, outside the flat buffers zero.py "
-                               "trains: build the model in that dtype and on that device before "
-                               "wrap() (mixed precision: wrap(param_dtype=...))")
+                               f"{probe.dtype} on {probe.device}, outside its unit: build it so "
+                               "before wrap() (mixed precision: wrap(param_dtype=...))")
     with torch._C.DisableTorchFunctionSubclass():  # (stage 3: p itself, not its values)
         return apply(lambda t: t if hasattr(t, "_zero_unit") else fn(t), recurse)
 
@@ -1710,12 +1703,8 @@ def report(res, args):
         at_peak = format(peak[kind], ",") if peak and kind in peak else "not measured"
         log0(f"  {kind:<10} {got:>12,}   {labels[kind]:<10} {want:>12,.0f}"
              + f"   {at_peak:>18}" * (kind != "total"))
-    log0("  (measured includes padding and Adam's step counters; 'peak' adds the transient "
-         "full-unit\n   gradients of stages 2 and 3, the all-to-all receive buffers of stages "
-         "1-3 on gloo/CPU, autograd's\n   new gradient of a parameter until it is copied into "
-         "its unit, the gathered units of stage 3" + (
-             "; in\n   mixed precision, the fp32 copy of the gradients the optimizer steps with)"
-             if args.bf16 else ")"))
+    log0("  (measured includes padding and Adam's step counters; 'peak' adds what a step holds "
+         "for a moment:\n   full-unit gradients, receive buffers, gathered units: docs/memory.md)")
     if ours and res["build_peak"]["params"] >= 0:  # the model came built on the meta device
         log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
              f"{sum(res['build_peak'].values()):,} bytes\n   of model state held on a rank, "
@@ -1738,34 +1727,27 @@ def report(res, args):
     gloo = ours and stage and world > 1 and dist.get_backend() == "gloo"  # (N = 1: nothing sent)
     on_cuda = bool(res["cuda_peak"])
     notes = [  # what the measured bytes count that the formula does not, or otherwise
-        (G < world, f"inside a group of {G} (and the check's all-reduce, over all N): "
+        (G < world, f"inside a group of G = {G}, the check's all-reduce over all N included: "
                     f"{sum(comm.values()) - comm.get(across, 0):,.0f} measured, "
-                    f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula;"
-                    f"\n   across the R = {world // G} groups: {comm.get(across, 0):,.0f}, "
-                    f"formula {expected.get(across, 0):,.0f}"),
+                    f"{sum(expected.values()) - expected.get(across, 0):,.0f} formula"),
         (stage == 3 and ours, "stage 3: a root unit stays gathered from forward into backward, "
                               "one all-gather fewer; a tied unit is gathered by each module"),
-        (gloo and DIRECT and not on_cuda, "gloo on CPU: reduce_scatter runs as an all_to_all + "
-         "local sum, all_gather as N broadcasts:\n   a ring's bytes, in less time; see "
-         "reduce_scatter() in zero.py"),
+        (gloo and DIRECT and not on_cuda, "gloo on CPU: reduce_scatter is an all_to_all + local "
+         "sum, all_gather N broadcasts:\n   a ring's bytes, in less time (GlooCPU in zero.py)"),
         (gloo and (on_cuda or not DIRECT), "gloo's own reduce_scatter_tensor all-reduces a copy "
-         "of the whole input" + ",\n   through host memory" * on_cuda + ": on the wire an "
-         "all-reduce's bytes, twice a ring reduce-scatter's" + ",\n   and on the GPU one more "
-         "full-unit gradient per reduction in flight, not in 'peak'" * on_cuda),
-        (ours and comm.get("all_reduce") and world > 1,
-         "all_reduce" + (" includes " if stage == 0 else ": ") + "a 16-byte all-reduce a step "
-         "that checks ranks agree (check_steps)" + ",\n   and the sum of squares for "
-         * (stage >= 1) + (
-             ("clipping by the global gradient norm" if args.clip > 0 else
-              "the global gradient norm, checked finite") if stage >= 1 else "")),
+         "of the whole input" + ",\n   through host memory" * on_cuda + ": an all-reduce's bytes, "
+         "twice a ring's" + ";\n   on the GPU, a full-unit gradient more per reduction in flight, "
+         "not in 'peak'" * on_cuda),
+        (ours and comm.get("all_reduce") and world > 1, "all_reduce" + " includes" * (stage == 0)
+         + ": a 16-byte check a step that ranks agree" + " and the global gradient norm" * stage),
         (world > 1, "not counted: the training loop's all-reduce of the loss, 4 bytes a step")]
     for note in [note for shown, note in notes if shown]:
         log0(f"  ({note})")
-    log0(f"\nmedian step time of rank 0: {statistics.median(res['times']) * 1e3:.1f} ms over "
-         f"{len(res['times'])} steps")
-    if res["waits"]:  # one step's split: the one at the middle of the sorted times
-        i = median_step(res["times"])
-        t, w = res["times"][i] * 1e3, res["waits"][i] * 1e3
+    i = median_step(res["times"])  # the step at the middle of the sorted times, and its split
+    t = res["times"][i] * 1e3
+    log0(f"\nmedian step time of rank 0: {t:.1f} ms over {len(res['times'])} steps")
+    if res["waits"]:
+        w = res["waits"][i] * 1e3
         log0(f"step {res['first'] + i}, {t:.1f} ms: {w:.1f} ms waiting on collectives (the "
              f"communication overlap did not hide,\n  timed in their wait()) + {t - w:.1f} ms "
              "the rest (compute, optimizer, Python, the loss's all-reduce)")
@@ -1810,50 +1792,36 @@ def training_parser(description):
     add = p.add_argument
     add("--stage", type=int, default=3, choices=range(4), help="0 data parallel, 1-3 ZeRO")
     for flag, kind, default, text in [
-            ("--steps", int, 30, "optimizer steps to train"),
-            ("--n-layer", int, 4, "transformer blocks"), ("--d-model", int, 64, "width"),
-            ("--n-head", int, 4, "attention heads"), ("--seq-len", int, 64, "bytes per row"),
+            ("--steps", int, 30, "optimizer steps to train"), ("--n-layer", int, 4, "blocks"),
+            ("--d-model", int, 64, "width"), ("--n-head", int, 4, "attention heads"),
+            ("--seq-len", int, 64, "bytes per row"),
             ("--batch-size", int, 8, "rows per rank per micro-batch"),
             ("--grad-accum", int, 1, "micro-batches (backward calls) per step"),
             ("--lr", float, 2e-3, "AdamW's learning rate; applied also when resuming"),
-            ("--timeout", float, 600, f"seconds before a stuck collective fails, {TIMEOUTS[0]:g} "
-                                      f"to {TIMEOUTS[1]:g}")]:
+            ("--timeout", float, 600, f"seconds a hung call waits, {TIMEOUTS[0]}-{TIMEOUTS[1]:g}")]:
         add(flag, type=positive(kind), default=default, help=text)
     add("--seed", type=int, default=0, help=f"seeds the weights and the batches, 0 to {SEEDS - 1}")
     add("--data", metavar="FILE", help="train on this file's bytes (default: zero.py's corpus())")
     add("--clip", type=float, default=1.0, help="global gradient-norm clip; 0 turns it off")
-    add("--backend", choices=["nccl", "gloo"],
-        help="(default: nccl if every local rank has a GPU of its own, else gloo)")
-    add("--device", choices=["cpu", "cuda"], help="(default: cuda if every local rank has a GPU of "
-        "its own and --backend is not gloo, else cpu)")
+    add("--backend", choices=["nccl", "gloo"], help="(default: nccl, a GPU per rank, or gloo)")
+    add("--device", choices=["cpu", "cuda"], help="(default: cuda if nccl, else cpu)")
     for flag, text in [
-            ("--skip-nonfinite", "skip a step whose loss or gradient norm is not finite (inf, "
-                                 "nan) and go on, instead of stopping the run there"),
+            ("--skip-nonfinite", "skip a step whose loss or gradient norm is inf or nan, not stop"),
             ("--bf16", "mixed precision: bf16 compute, fp32 master weights and reductions"),
-            ("--no-overlap", "reduce in step() (stages 0, 1), wait for each collective, no "
-                             "prefetch"),
-            ("--no-step-check", "skip the per-step check that ranks communicated the same units "
-                                "(one 16-byte all_reduce a step)")]:
+            ("--no-overlap", "reduce in step() (stages 0, 1), wait for each call, no prefetch"),
+            ("--no-step-check", "skip the check that ranks sent the same units (16 bytes)")]:
         add(flag, action="store_true", help=text)
-    add("--bucket-mb", type=float, default=0, help="stages 0-2: cut the parameters into buckets of "
-        "this many MiB (DDP: 25; 0: each unit its own bucket)")
-    add("--shard-size", type=positive(int), help="hybrid sharding: stages 1-3 shard over groups of "
-        "G consecutive ranks, replicated across the N/G groups (default: N, every rank)")
-    add("--init-from", metavar="FILE",
-        help="start from a plain state_dict file, e.g. from --consolidate (default: a fresh model)")
-    add("--resume-from", metavar="DIR", help="continue the run of a checkpoint, zero.py's or "
-        "FSDP2's (DCP), of any stage and world size: DIR, or the newest in DIR; a checkpoint in "
-        "--ckpt-dir comes first (default: none)")
-    add("--ckpt-dir", help="write checkpoints here and resume from the newest complete one; one "
-                           "job per directory (default: no checkpoints)")
+    add("--bucket-mb", type=float, default=0, help="stages 0-2: buckets of this many MiB (DDP: 25)")
+    add("--shard-size", type=positive(int), help="hybrid: shard over G ranks (default: N, all)")
+    add("--init-from", metavar="FILE", help="start from a state_dict file (default: a fresh model)")
+    add("--resume-from", metavar="DIR", help="continue a checkpoint of any stage and world size, "
+        "zero.py's or FSDP2's: DIR or the newest in DIR (default: none; --ckpt-dir's first)")
+    add("--ckpt-dir", help="save and resume here; one job a directory (default: no checkpoints)")
     add("--ckpt-every", type=positive(int), help="steps between checkpoints (default: at the end)")
-    add("--units", choices=list(UNITS), default="block",
-        help="what a unit is: one transformer block (the root: the rest), the whole model, or "
-             "each module with parameters of its own (a layer)")
-    add("--max-memory", type=lambda text: _memory().memory_size(text), metavar="SIZE",
-        help="each rank may allocate at most SIZE (e.g. 400MB, 2GiB) beyond its runtime, "
-             "enforced: RLIMIT_DATA on CPU, the CUDA allocator's share on a GPU; running out is "
-             "one line, exit code 4 (default: no limit)")
+    add("--units", choices=list(UNITS), default="block", help="a unit: each block, the model, "
+        "or each module with parameters of its own")
+    add("--max-memory", type=lambda text: _memory().memory_size(text), metavar="SIZE", help="each "
+        "rank allocates at most SIZE (400MB, 2GiB) beyond its runtime (default: no limit)")
     p.set_defaults(record_step=None)  # --timeline: the step whose events are recorded
     return p
 
@@ -1867,16 +1835,12 @@ def check_args(args):
     size = len(corpus()) if args.data is None else \
         os.path.getsize(args.data) if os.path.isfile(args.data) else None
     for bad, message in [
-            (args.d_model % args.n_head, f"--d-model {args.d_model} is not divisible by "
-                                         f"--n-head {args.n_head}"),
+            (args.d_model % args.n_head, f"--d-model {args.d_model} % --n-head {args.n_head} != 0"),
             (args.lr > torch.finfo(torch.float32).max,  # the optimizer's fp32 arithmetic
              f"--lr {args.lr:g} is beyond float32's range"),
-            (not 0 <= args.clip < float("inf"),
-             f"--clip must be 0 (off) or a positive number, not {args.clip}"),
-            (not 0 <= args.bucket_mb * 2**20 < float("inf"), "--bucket-mb must be 0 (one bucket "
-             f"per unit) or a positive number, not {args.bucket_mb}"),
-            (args.init_from and args.resume_from,
-             "--init-from starts a run, --resume-from continues one: not both"),
+            (not 0 <= args.clip < float("inf"), f"--clip must be 0 or positive, not {args.clip}"),
+            (not 0 <= args.bucket_mb * 2**20 < float("inf"), "--bucket-mb must be 0 or positive"),
+            (args.init_from and args.resume_from, "--init-from and --resume-from: not both"),
             (not 0 <= args.seed < SEEDS, f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}"),
             (not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1], "--timeout must be from "
              f"{TIMEOUTS[0]:g} to {TIMEOUTS[1]:g} seconds, not {args.timeout:g}"),
@@ -1898,25 +1862,19 @@ def main(argv=None):
     p = training_parser("Data parallel and ZeRO-1/2/3 from raw torch.distributed collectives.")
     add = p.add_argument
     add("--estimate", action="store_true", help="print the per-rank memory formula and exit")
-    add("--params", type=positive(float),
-        help="Ψ for --estimate, e.g. 7.5e9 (default: none, --estimate needs it)")
-    add("--world-size", type=positive(int),
-        help="N for --estimate and --largest-model (default: none, they need it)")
-    add("--largest-model", action="store_true", help="find the largest demo GPT (more blocks) each "
-        "stage trains within --max-memory on --world-size ranks, launching the trials itself")
-    add("--consolidate", metavar="DIR", help="write the newest checkpoint in DIR (or DIR itself, a "
-        "checkpoint) as one plain state_dict (--out) and exit (default: train)")
-    add("--out", metavar="FILE",
-        help="--consolidate: the file to write, .pt, .safetensors or .dcp (default: none)")
-    add("--timeline", metavar="FILE.svg",
-        help="draw the model-state bytes after every event of the last step (default: none)")
-    add("--timeline-all", metavar="FILE.svg",
-        help="train stages 0-3 in turn and draw their timelines side by side (default: none)")
-    add("--cluster", nargs="?", const="", metavar="KEY=VALUE,...",
-        help="--estimate: predict the time of a step on this cluster too (tradeoffs.py: the "
-             "keys, each with a default; none: the defaults)")
-    add("--tradeoffs", action="store_true", help="train at every stage in this launch; print "
-        "memory, bytes, time, waiting, tokens/s, and the time model's prediction")
+    add("--params", type=positive(float), help="Ψ for --estimate, e.g. 7.5e9 (default: none)")
+    add("--world-size", type=positive(int), help="N: --estimate, --largest-model (default: none)")
+    add("--largest-model", action="store_true", help="find the most blocks each stage trains "
+        "within --max-memory on --world-size ranks (trials of its own)")
+    add("--consolidate", metavar="DIR", help="write DIR's newest checkpoint as one state_dict "
+        "(--out) and exit (default: train)")
+    add("--out", metavar="FILE", help="--consolidate: .pt, .safetensors or .dcp (default: none)")
+    add("--timeline", metavar="FILE.svg", help="draw the last step's bytes held (default: none)")
+    add("--timeline-all", metavar="FILE.svg", help="every stage's timeline (default: none)")
+    add("--cluster", nargs="?", const="", metavar="KEY=VALUE,...", help="--estimate: a step's "
+        "time on this cluster too (keys: tradeoffs.py; none: the defaults)")
+    add("--tradeoffs", action="store_true", help="train every stage here; print memory, bytes, "
+        "time, waiting, tokens/s, and the time model's")
     add("--unit-sizes", action="store_true", help="--tradeoffs: also with --units model, layer")
     args = check_args(p.parse_args(argv))
     if args.timeline or args.timeline_all:
