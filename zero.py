@@ -1706,9 +1706,8 @@ def report(res, args):
     log0("  (measured includes padding and Adam's step counters; 'peak' adds what a step holds "
          "for a moment:\n   full-unit gradients, receive buffers, gathered units: docs/memory.md)")
     if ours and res["build_peak"]["params"] >= 0:  # the model came built on the meta device
-        log0(f"  building it (wrap, from the meta device, one unit at a time): at most "
-             f"{sum(res['build_peak'].values()):,} bytes\n   of model state held on a rank, "
-             f"against {4 * psi:,} for the whole model's parameters as built (fp32)")
+        log0(f"  building it (from the meta device, a unit at a time): at most "
+             f"{sum(res['build_peak'].values()):,} bytes a rank;\n   the whole model: {4 * psi:,}")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
          f"bytes,\n  reductions in 4; N = {world}, k = {k} micro-batches"
          + (f", G = {G}: hybrid)" if G < world else ")"))
