@@ -849,11 +849,9 @@ def build_device(zero):
     if here.type == "meta":
         return _meta_init().build_device(zero.device)
     if zero.init is not None:
-        raise ValueError("zero: init is for a model built on the meta device; this one is "
-                         "initialized already")
+        raise ValueError("zero: init is for a model built on the meta device, not a built one")
     if zero.device is not None and torch.device(zero.device) != here:
-        raise ValueError(f"zero: device={zero.device} is for a model built on the meta device; "
-                         f"this one is on {here}")
+        raise ValueError(f"zero: device= is for a meta-device model, not one on {here}")
     return here
 
 
@@ -1136,8 +1134,7 @@ class Meter:
     def breakdown(self):
         """Bytes of model state this rank holds now, allocated (not frozen parameters, buffers)."""
         held = sum((self.unit_bytes(u) for u in self.zero.units), Counter())
-        return {"params": held["params"], "grads": held["grads"],
-                "optimizer": self.optimizer_bytes()}
+        return dict(params=held["params"], grads=held["grads"], optimizer=self.optimizer_bytes())
 
     def unit_bytes(self, unit):
         # No two units share a storage: a rank holds the sum over units (in flight included).
