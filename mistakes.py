@@ -219,16 +219,15 @@ def peak_bytes(wrong, right, kind, steps, accum=1):
     at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
     bytes a parameter, 8 a gradient, 16 of m and v)."""
     wrong, right = (trained(cls, steps, accum=accum) for cls in (wrong, right))
-    out = {"wrong": wrong.opt.peak[kind], "right": right.opt.peak[kind],
-           "wrong_distance": wrong.distance, "right_distance": right.distance}
     (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
     formula = {s: zero.memory_formula(s, right.opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
                for s in (stage, fallen)}
-    out["note"] = (f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units {extra}),"
-                   f" stage {fallen} {formula[fallen]:,.0f} B")
-    out["detail"] = [f"trains right all the same: distance to the reference "
-                     f"{out['wrong_distance']:.1e} (right {out['right_distance']:.1e})"]
-    return out
+    return {"wrong": wrong.opt.peak[kind], "right": right.opt.peak[kind],
+            "wrong_distance": wrong.distance, "right_distance": right.distance,
+            "note": f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units "
+                    f"{extra}), stage {fallen} {formula[fallen]:,.0f} B",
+            "detail": [f"trains right all the same: distance to the reference {wrong.distance:.1e} "
+                       f"(right {right.distance:.1e})"]}
 
 
 def first_line(e):
