@@ -281,9 +281,9 @@ class Torch:
                 verify = range(dist.get_rank(), 1 << 30, self.world)  # rank r: files r, r+N, ...
                 info, parts = checkpoints.read_checkpoint(path, verify=verify)
                 here = {k: list(t.shape) for k, t in self.model.state_dict().items()}
-                shapes = {n: s for unit in info["units"] for n, s in unit}
-                checkpoints.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
-                                                 for k, n in info["keys"]})
+                # each name's shape: a sharded parameter's, else a replicated tensor's
+                shapes = {**info["replicated"], **{n: s for unit in info["units"] for n, s in unit}}
+                checkpoints.another_model(here, {k: shapes.get(n) for k, n in info["keys"]})
                 checkpoints.another_optimizer(info["optimizer"], self.optimizer)
         if checkpoints.is_dcp(path):
             state = self._state()  # torch's own way: the state_dict as a template, filled in place
@@ -447,8 +447,7 @@ def bench(args):
         f"runs x {steps - 1} timed steps each; bytes per rank (largest over ranks)")
     log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9}"
         f" {'ratio':>6} {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13}"
-        f" {'sent zero':>11} {'formula':>11}")
-    log("\n".join(table))
+        f" {'sent zero':>11} {'formula':>11}", *table, sep="\n")  # the header, then the rows
     log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params"
         " + grads + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or"
         " 3Ψ (N-1)/N x 4 bytes")
@@ -498,8 +497,7 @@ def main(argv=None):
             (no_fsdp2 and (args.ckpt_dir or args.resume_from),
              f"--ckpt-dir and --resume-from are FSDP2's here: {only}"),
             (no_fsdp2 and args.bf16, f"--bf16 is FSDP2's MixedPrecisionPolicy: {only}"),
-            (no_fsdp2 and args.shard_size,
-             f"--shard-size is FSDP2 on a 2-D mesh (HSDP) here: {only}"),
+            (no_fsdp2 and args.shard_size, f"--shard-size is FSDP2's 2-D mesh (HSDP) here: {only}"),
             # FSDP2 is given one unit per block, DDP buckets its own
             (args.units != "block", "--units is zero.py's: fsdp_demo.py shards one unit per block"),
             # (at stages 0, 1 or with --bench: refused above)
