@@ -354,9 +354,9 @@ def no_regather(quick):
 def one_unit(quick):
     """With units=[] the whole model is one unit: gathered whole before the first module
     computes. It trains right; each rank's peak: every parameter (stage 0's) beside its shard."""
-    # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
-    wrong = functools.partial(zero.ZeRO3, units=[])  # WRONG: units=[]
-    return peak_bytes(wrong, zero.ZeRO3, "params", 2)
+    # The wrong class, then the right one (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...)
+    # builds it). WRONG: units=[]
+    return peak_bytes(functools.partial(zero.ZeRO3, units=[]), zero.ZeRO3, "params", 2)
 
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
