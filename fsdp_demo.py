@@ -86,8 +86,9 @@ log = zero.log0  # rank 0 prints, the others stay quiet
 # ----------------------------------------------------------------------------------------------
 # PyTorch's counterpart of each zero.py stage
 
-PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",  # stages 0, 1;
-                 *(f"FSDP2 fully_shard(reshard_after_forward={b})" for b in (False, True))]  # 2, 3
+# (by stage: 0, 1, then 2 and 3, FSDP2 without and with resharding after forward)
+PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
+                 *(f"FSDP2 fully_shard(reshard_after_forward={b})" for b in (False, True))]
 # FSDP2 on the CPU (gloo) before torch 2.9: 2.6's fails in its first all-gather (a CPU stream has
 # no record_event), 2.7's in HSDP (gloo has no AVG all-reduce), and up to 2.8 gloo's AVG
 # reduce-scatter sums: N times the gradients. Why it cannot run here, or None.
