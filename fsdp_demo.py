@@ -86,9 +86,9 @@ log = zero.log0  # rank 0 prints, the others stay quiet
 # ----------------------------------------------------------------------------------------------
 # PyTorch's counterpart of each zero.py stage
 
+# (by stage: 0, 1, then 2 and 3, FSDP2 without and with resharding after forward)
 PYTORCH_NAMES = ["DistributedDataParallel", "DDP + ZeroRedundancyOptimizer",
-                 "FSDP2 fully_shard(reshard_after_forward=False)",
-                 "FSDP2 fully_shard(reshard_after_forward=True)"]
+                 *(f"FSDP2 fully_shard(reshard_after_forward={b})" for b in (False, True))]
 # FSDP2 on the CPU (gloo) before torch 2.9: 2.6's fails in its first all-gather (a CPU stream has
 # no record_event), 2.7's in HSDP (gloo has no AVG all-reduce), and up to 2.8 gloo's AVG
 # reduce-scatter sums: N times the gradients. Why it cannot run here, or None.
@@ -147,12 +147,11 @@ def materialize(model, args, device):
     full = {}  # rank 0's, for every rank
     if args.init_from:  # every rank checks it (the same file: read_state_dict), as zero.py does
         full = checkpoints.read_state_dict(args.init_from, device)
-        problem, key_of, twin = checkpoints.fit_problem(model, full)
-        problem = problem or next((f"tied here, different there: {key_of[t]} and {k}" for t, k in
-                                   twin.items() if not torch.equal(full[k], full[key_of[t]])), None)
-        if problem:
-            raise zero.UsageError(f"--init-from {args.init_from}: does not fit the model: "
-                                  f"{problem}")
+        misfit, key_of, twin = checkpoints.fit_problem(model, full)
+        misfit = misfit or next((f"tied here, different there: {key_of[t]} and {k}" for t, k in
+                                 twin.items() if not torch.equal(full[k], full[key_of[t]])), None)
+        if misfit:
+            raise zero.UsageError(f"--init-from {args.init_from}: does not fit the model: {misfit}")
         full = {k: full[key_of[t]] for k, t in model.state_dict(keep_vars=True).items()
                 } if dist.get_rank() == 0 else {}  # (each key: set_model_state_dict is strict)
     elif dist.get_rank() == 0:  # built whole on the CPU (its constructor draws an init), then
@@ -201,9 +200,8 @@ class CommCounter(TorchDispatchMode):
         for kind in [k for k in self.KINDS if name.startswith(k.replace("_", ""))][:1]:
             data = args[1] if kind == "reduce_scatter" else args[0]
             full = sum(t.numel() * t.element_size() for t in tree_leaves(data))
-            group = dist.ProcessGroup.unbox(next(
-                a for a in args if isinstance(a, torch.ScriptObject)
-                and a._type().name() == "ProcessGroup"))
+            group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(
+                a, torch.ScriptObject) and a._type().name() == "ProcessGroup"))
             times = 2 if kind == "all_reduce" else 1  # the ring's cost: all-reduce 2(N-1)/N M
             if kind == "all_reduce" and group is self.across:  # (G = 1: every rank's group)
                 kind = "all_reduce across groups"
@@ -228,10 +226,10 @@ class Torch:
         # DDP's own no_sync (stages 0, 1); FSDP2 reduce-scatters every backward, as zero.py's 2, 3
         self.no_sync = net.no_sync if isinstance(net, DDP) else contextlib.nullcontext
         self.device = next(model.parameters()).device
-        self.count_steps = count_steps  # --bench counts only the first step: the mode costs time
+        # --bench counts only the first step (count_steps=1): the mode costs time
+        self.count_steps, self.comm = count_steps, Counter()
         # DTensor parameters: numel() is the global count
         self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.comm = Counter()
         # (no self.peak, which zero.train reads as "not measured": the transient buffers live
         # inside PyTorch's internals)
 
@@ -284,9 +282,9 @@ class Torch:
                 verify = range(dist.get_rank(), 1 << 30, self.world)  # rank r: files r, r+N, ...
                 info, parts = checkpoints.read_checkpoint(path, verify=verify)
                 here = {k: list(t.shape) for k, t in self.model.state_dict().items()}
-                shapes = {n: s for unit in info["units"] for n, s in unit}
-                checkpoints.another_model(here, {k: shapes.get(n, info["replicated"].get(n))
-                                                 for k, n in info["keys"]})
+                # each name's shape: a sharded parameter's, else a replicated tensor's
+                shapes = {**info["replicated"], **{n: s for unit in info["units"] for n, s in unit}}
+                checkpoints.another_model(here, {k: shapes.get(n) for k, n in info["keys"]})
                 checkpoints.another_optimizer(info["optimizer"], self.optimizer)
         if checkpoints.is_dcp(path):
             state = self._state()  # torch's own way: the state_dict as a template, filled in place
@@ -319,9 +317,8 @@ class Torch:
         values = {**parts[0]["replicated"], **weights}
         set_model_state_dict(self.model, {k: values[n] for k, n in manifest["keys"]})
         if state:  # (none: the optimizer never stepped, and starts fresh)
-            groups = [{**h, "params": list(params)} for h in parts[0]["hyper"]]
-            set_optimizer_state_dict(self.model, self.optimizer,
-                                     {"state": state, "param_groups": groups})
+            set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": [
+                {**h, "params": list(params)} for h in parts[0]["hyper"]]})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,22 +330,22 @@ def report(res, args):
         return
     zero.report(res, args)
     if args.stage >= 2 and dist.get_backend() == "gloo":
-        log("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole "
-             "input: on the wire\n   an all-reduce's bytes, twice the reduce_scatter's ring "
-             "cost above)")
+        log("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole input: "
+            "on the wire\n   an all-reduce's bytes, twice the reduce_scatter's ring cost above)")
     if args.stage >= 2 and args.bf16:
-        log("  (--bf16: FSDP2's parameters are its fp32 shards, the master copy, and its "
-             "gradients fp32 shards:\n   params 4Ψ/N, grads 4Ψ/N, optimizer 8Ψ/N, 16Ψ/N in "
-             "all as the formula's; the bf16 copy of\n   a unit lives while it computes)")
+        log("  (--bf16: FSDP2's parameters are its fp32 shards, the master copy, and its gradients "
+            "fp32 shards:\n   params 4Ψ/N, grads 4Ψ/N, optimizer 8Ψ/N, 16Ψ/N in all as the "
+            "formula's; the bf16 copy of\n   a unit lives while it computes)")
 
 
-def compare(args, keep_params=False):
-    """PyTorch's run, then zero.py's in the same processes; returns both results."""
+def compare(args, keep_params=False, zero_too=True):
+    """PyTorch's run, then (zero_too) zero.py's in the same processes; returns both results, or
+    None where only PyTorch's ran."""
     _, world, _ = zero.setup(args.backend, args.device, args.timeout)
     theirs = zero.train(args, pytorch(args, world), keep_params)
-    if theirs is None:  # nothing left to train
-        return None
     report(theirs, args)
+    if theirs is None or not zero_too:  # (None: nothing left to train)
+        return None
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
     seen = Counter()
 
@@ -378,9 +375,8 @@ def print_comparison(theirs, ours, args):
         f"{'zero.py / PyTorch':>18}")
 
     def column(res):  # one run's numbers, in the order of `names`
-        return [*(res["mem"][k] for k in ("params", "grads", "optimizer")),
-                sum(res["mem"].values()), sum(res["comm"].values()),
-                statistics.median(res["times"]) * 1e3,
+        mem = [res["mem"][k] for k in ("params", "grads", "optimizer")]
+        return [*mem, sum(mem), sum(res["comm"].values()), statistics.median(res["times"]) * 1e3,
                 *([max(res["cuda_peak"])] if ours["cuda_peak"] else [])]  # (on CUDA only)
     names = ["params bytes", "grads bytes", "optimizer bytes", "model state bytes",
              "bytes sent per step", "median step time, ms", "cuda max_memory_allocated"]
@@ -452,8 +448,7 @@ def bench(args):
         f"runs x {steps - 1} timed steps each; bytes per rank (largest over ranks)")
     log(f"{'model':<8} {'stage':<6} {'PyTorch counterpart':<48} {'ms PyTorch':>10} {'ms zero':>9}"
         f" {'ratio':>6} {'state PyTorch':>14} {'state zero':>12} {'sent PyTorch':>13}"
-        f" {'sent zero':>11} {'formula':>11}")
-    log("\n".join(table))
+        f" {'sent zero':>11} {'formula':>11}", *table, sep="\n")  # the header, then the rows
     log("ratio: zero.py / PyTorch median step time (below 1: zero.py is faster); state: params"
         " + grads + optimizer after the step; sent: first step's bytes, ring cost; formula: 2Ψ or"
         " 3Ψ (N-1)/N x 4 bytes")
@@ -487,44 +482,38 @@ def bench(args):
 # Command line
 
 def main(argv=None):
-    p = zero.training_parser(
-        "The training of zero.py with PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.")
-    p.add_argument("--compare", action="store_true",
-                   help="also run zero.py's stage and print both side by side")
-    p.add_argument("--bench", action="store_true",
-                   help="every stage vs PyTorch, default and 50M models, timed")
-    p.add_argument("--repeats", type=zero.positive(int),
-                   help="--bench: alternating runs per pair (default: 3)")
+    p = zero.training_parser("zero.py's training by PyTorch: DDP, ZeroRedundancyOptimizer, FSDP2")
+    add = p.add_argument
+    add("--compare", action="store_true", help="also run zero.py's stage, print both side by side")
+    add("--bench", action="store_true", help="each stage vs PyTorch, default and 50M models, timed")
+    add("--repeats", type=zero.positive(int), help="--bench: alternating runs per pair (default 3)")
     args = zero.check_args(p.parse_args(argv))
-    if args.bench and args.compare:
-        raise zero.UsageError("--bench and --compare: choose one (--bench compares every stage)")
-    if args.repeats is not None and not args.bench:
-        raise zero.UsageError("--repeats is for --bench")
+    # no FSDP2 in this run (stages 0, 1; --bench): refused, what only FSDP2 does here
+    no_fsdp2 = args.stage < 2 or args.bench
+    only = "stages 2 and 3 only" + (", not --bench" if args.bench else "")
+    for bad, message in [
+            (args.bench and args.compare,
+             "--bench and --compare: choose one (--bench compares every stage)"),
+            (args.repeats is not None and not args.bench, "--repeats is for --bench"),
+            (no_fsdp2 and (args.ckpt_dir or args.resume_from),
+             f"--ckpt-dir and --resume-from are FSDP2's here: {only}"),
+            (no_fsdp2 and args.bf16, f"--bf16 is FSDP2's MixedPrecisionPolicy: {only}"),
+            (no_fsdp2 and args.shard_size, f"--shard-size is FSDP2's 2-D mesh (HSDP) here: {only}"),
+            # FSDP2 is given one unit per block, DDP buckets its own
+            (args.units != "block", "--units is zero.py's: fsdp_demo.py shards one unit per block"),
+            # (at stages 0, 1 or with --bench: refused above)
+            (args.ckpt_dir and args.compare,
+             "--ckpt-dir is not for --compare: both runs would write there")]:
+        if bad:
+            raise zero.UsageError(message)
     args.repeats = args.repeats or 3
-    if args.stage < 2 or args.bench:  # what only FSDP2 (stages 2 and 3) does here
-        for used, what in [(args.ckpt_dir or args.resume_from,
-                            "--ckpt-dir and --resume-from are FSDP2's here"),
-                           (args.bf16, "--bf16 is FSDP2's MixedPrecisionPolicy"),
-                           (args.shard_size, "--shard-size is FSDP2 on a 2-D mesh (HSDP) here")]:
-            if used:
-                raise zero.UsageError(f"{what}: stages 2 and 3 only" +
-                                      (", not --bench" if args.bench else ""))
-    if args.units != "block":  # FSDP2 is given one unit per block, DDP buckets its own
-        raise zero.UsageError("--units is zero.py's: fsdp_demo.py shards one unit per block")
-    if args.ckpt_dir and args.compare:  # (at stages 0, 1 or with --bench: refused above)
-        raise zero.UsageError("--ckpt-dir is not for --compare: both runs would write there")
     if NO_CPU_FSDP2 and (args.stage > 1 or args.bench) and \
             zero.choose_device(args.backend, args.device)[1].type == "cpu":
         raise zero.UsageError(f"{NO_CPU_FSDP2}: --stage 0 or 1 (no --bench) or --device cuda")
     if args.bench:
         bench(args)
-    elif args.compare:
-        compared = compare(args, keep_params=True)
-        if compared:
-            print_comparison(*compared, args)
-    else:
-        _, world, _ = zero.setup(args.backend, args.device, args.timeout)
-        report(zero.train(args, pytorch(args, world)), args)
+    elif compared := compare(args, keep_params=args.compare, zero_too=args.compare):
+        print_comparison(*compared, args)
 
 
 if __name__ == "__main__":

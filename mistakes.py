@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, inspect, io, json, os, textwrap, time, types
+import collections, contextlib, functools, inspect, io, json, os, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -58,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
+from checkpoints import writable, write_file  # (the files: checkpoints.py's)
 
 # ----------------------------------------------------------------------------------------------
 # The model, the data and the loop every mistake runs (and the reference runs too)
@@ -183,12 +184,12 @@ def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dty
     each step, and {name: parameter} after the last."""
     model = build(dtype=dtype)
     opt = optimizer(model.parameters())
-    # It, in the loop's interface (zero.py's): one process has no ranks to sync; torch's clipping
-    plain = types.SimpleNamespace(no_sync=contextlib.nullcontext, step=opt.step,
-                                  zero_grad=opt.zero_grad, clip_grad_norm_=functools.partial(
-                                      nn.utils.clip_grad_norm_, list(model.parameters())))
+    # It, in the loop's interface (zero.py's), beside its own step and zero_grad: one process has
+    # no ranks to sync; torch's clipping
+    opt.no_sync = contextlib.nullcontext
+    opt.clip_grad_norm_ = functools.partial(nn.utils.clip_grad_norm_, list(model.parameters()))
     keep = rows(only) if only is not None else slice(None)  # every row: the global batch
-    losses = train(model, plain, steps, clip, accum, masked=masked, mean=torch.Tensor.item,
+    losses = train(model, opt, steps, clip, accum, masked=masked, mean=torch.Tensor.item,
                    loss=lambda model, x, y: loss_of(model, x[keep], y[keep]))
     return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
@@ -218,16 +219,15 @@ def peak_bytes(wrong, right, kind, steps, accum=1):
     at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
     bytes a parameter, 8 a gradient, 16 of m and v)."""
     wrong, right = (trained(cls, steps, accum=accum) for cls in (wrong, right))
-    out = {"wrong": wrong.opt.peak[kind], "right": right.opt.peak[kind],
-           "wrong_distance": wrong.distance, "right_distance": right.distance}
     (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
     formula = {s: zero.memory_formula(s, right.opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
                for s in (stage, fallen)}
-    out["note"] = (f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units {extra}),"
-                   f" stage {fallen} {formula[fallen]:,.0f} B")
-    out["detail"] = [f"trains right all the same: distance to the reference "
-                     f"{out['wrong_distance']:.1e} (right {out['right_distance']:.1e})"]
-    return out
+    return {"wrong": wrong.opt.peak[kind], "right": right.opt.peak[kind],
+            "wrong_distance": wrong.distance, "right_distance": right.distance,
+            "note": f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units "
+                    f"{extra}), stage {fallen} {formula[fallen]:,.0f} B",
+            "detail": [f"trains right all the same: distance to the reference {wrong.distance:.1e} "
+                       f"(right {right.distance:.1e})"]}
 
 
 def first_line(e):
@@ -275,13 +275,11 @@ class NoDivide(zero.ZeRO1):
 def no_divide(optimizer, steps):
     # (cls(model, ...) as zero.wrap(model, 1, ...) builds it)
     wrong, right = trained(NoDivide, steps, optimizer), trained(zero.ZeRO1, steps, optimizer)
-    losses = {"reference": reference(optimizer, steps).losses, "wrong": wrong.losses,
-              "right": right.losses}
+    runs = [("reference", reference(optimizer, steps)), ("wrong", wrong), ("right", right)]
     return {"wrong": wrong.gap, "right": right.gap, "detail": [
-        *(f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in values)
-          for label, values in losses.items()),
-        f"parameters' distance to the reference: wrong {wrong.distance:.2e}, "
-        f"right {right.distance:.2e}"]}
+        *(f"loss at each step, {label:<9}" + " ".join(f"{v:10.6g}" for v in run.losses)
+          for label, run in runs), f"parameters' distance to the reference: wrong "
+        f"{wrong.distance:.2e}, right {right.distance:.2e}"]}
 
 
 @mistake("0-3", 1, "loss gap to the reference, max", "ZeRO1._reduce_grads")
@@ -356,9 +354,9 @@ def no_regather(quick):
 def one_unit(quick):
     """With units=[] the whole model is one unit: gathered whole before the first module
     computes. It trains right; each rank's peak: every parameter (stage 0's) beside its shard."""
-    # (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...) builds it)
-    wrong = functools.partial(zero.ZeRO3, units=[])  # WRONG: units=[]
-    return peak_bytes(wrong, zero.ZeRO3, "params", 2)
+    # The wrong class, then the right one (zero.ZeRO3(model, ...) as zero.wrap(model, 3, ...)
+    # builds it). WRONG: units=[]
+    return peak_bytes(functools.partial(zero.ZeRO3, units=[]), zero.ZeRO3, "params", 2)
 
 
 # --- replicas: every rank must compute with the same weights ----------------------------------
@@ -426,8 +424,7 @@ class StepsWithoutGradient(zero.DataParallel):
         self.with_grad = {p for u in self.units for p in u.params}  # WRONG: all of them
 
 
-@mistake("0-3", 0, "how far the unused head moved",
-         "DataParallel.step (.grad None where no rank gave a gradient: check_step_agrees)")
+@mistake("0-3", 0, "how far the unused head moved", "DataParallel.step (a .grad of None: skipped)")
 def step_without_gradient(quick):
     """A zero gradient is not no gradient: AdamW still decays the weight (and a past step's
     m and v still move it). torch skips a parameter whose .grad is None; so does zero.py."""
@@ -435,16 +432,14 @@ def step_without_gradient(quick):
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
     out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    ref = reference(ADAMW, steps).params
-    out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it "
-                     f"{(ref['aux.weight'] - before).abs().max().item():.1e}"]
+    moved = (reference(ADAMW, steps).params["aux.weight"] - before).abs().max().item()
+    out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it {moved:.1e}"]
     return out
 
 
 # --- the data: each rank its own rows, each token its weight ----------------------------------
 
-@mistake("0-3", 1, "distance to the global-batch reference",
-         "zero.get_batch (rank r reads rows r*B to (r+1)*B of the global batch)")
+@mistake("0-3", 1, "distance to the global-batch reference", "zero.get_batch (rank r's own rows)")
 def same_batch(quick):
     """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
     exactly like one process on that batch, not like the global batch."""
@@ -460,8 +455,7 @@ def same_batch(quick):
     return out
 
 
-@mistake("0-3", 1, "distance to the reference",
-         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)")
+@mistake("0-3", 1, "distance to the reference", "the loop (ZeRO1._reduce_grads: sum over ranks / N)")
 def token_mean_per_rank(quick):
     """Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short
     batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
@@ -482,8 +476,7 @@ def token_mean_per_rank(quick):
     return out
 
 
-@mistake("0-3", 2, "distance to the reference",
-         "DataParallel._reduce_unit (reduce_dtype: fp32 by default in mixed precision)")
+@mistake("0-3", 2, "distance to the reference", "DataParallel._reduce_unit (reduce_dtype: fp32)")
 def bf16_reduce(quick):
     """Reduced in bfloat16 (8 bits of mantissa), each rank's gradient is rounded to about 3
     digits before it is summed, and the sum again: every step is off. Reduce in fp32."""
@@ -492,8 +485,7 @@ def bf16_reduce(quick):
             for name, dtype in [("wrong", torch.bfloat16), ("right", None)]}  # WRONG: bfloat16
 
 
-@mistake("1-3", 2, "how far the parameters moved",
-         "zero.wrap (returns the optimizer that steps the shards)")
+@mistake("1-3", 2, "how far the parameters moved", "zero.wrap (its optimizer steps the shards)")
 def optimizer_before_wrap(quick):
     """A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is
     None (each unit's gradient is reduced into this rank's shard). Nothing trains."""
@@ -576,10 +568,9 @@ def units_out_of_order(quick):
     """Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective
     fails. zero.py fingerprints what each rank reduced, and stops the step if they differ."""
     run = functools.partial(trained, steps=2 if quick else 3, overlap=False)
-    return {name: outcome(lambda: spread(run(cls, check_steps=check).model))
-            for name, cls, check in [("guard", OtherOrder, True),
-                                     ("wrong", OtherOrder, False),  # wrong: check_steps=False
-                                     ("right", zero.DataParallel, True)]}
+    return {name: outcome(lambda: spread(run(cls, check_steps=check).model)) for name, cls, check
+            in [("guard", OtherOrder, True), ("wrong", OtherOrder, False),  # wrong: no check_steps
+                ("right", zero.DataParallel, True)]}
 
 
 class NoBackwardAfterStepCheck(zero.ZeRO1):
@@ -596,9 +587,8 @@ def no_zero_grad(quick):
     keeps pushing: every past step is applied again. zero.py refuses that backward."""
     # WRONG: zero_grad=False, the loop of the other two without opt.zero_grad() after step()
     return {name: outcome(lambda: trained(cls, 3 if quick else STEPS, SGD,
-                                          zero_grad=name == "right").distance)
-            for name, cls in [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck),
-                              ("right", zero.ZeRO1)]}
+                                          zero_grad=name == "right").distance) for name, cls in
+            [("guard", zero.ZeRO1), ("wrong", NoBackwardAfterStepCheck), ("right", zero.ZeRO1)]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -635,8 +625,7 @@ def run_lab(names, quick=False):
 
 
 def main(argv=None):
-    p = zero.Parser(description="The classic mistakes of data-parallel and ZeRO training, each "
-                                "run beside the right code and measured.",
+    p = zero.Parser(description="Classic data-parallel and ZeRO mistakes, beside the right code",
                     formatter_class=zero._ShowDefaults)
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="mistakes to run, with detail (default: every one, one table)")
@@ -645,8 +634,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     for name in args.names:
         if name not in MISTAKES:
-            raise zero.UsageError(f"no mistake named {name!r}: `python mistakes.py --list` "
-                                  "names them")
+            raise zero.UsageError(f"no mistake named {name!r}; see `python mistakes.py --list`")
     if args.list and args.names:
         raise zero.UsageError("--list prints every mistake: not with names")
     if args.list:
@@ -655,7 +643,6 @@ def main(argv=None):
             print(f"{m.name:<22} {word} {m.stages:<4} (runs at {m.stage}): {m.measure}")
         return
     if args.json:
-        from checkpoints import writable  # (the files: checkpoints.py's)
         where = os.path.dirname(args.json) or "."
         if os.path.isdir(args.json) or not os.path.isdir(where) or not writable(where):
             raise zero.UsageError(f"--json {args.json}: " + (
@@ -664,8 +651,7 @@ def main(argv=None):
     start = time.perf_counter()
     rank, world, _ = zero.setup(backend="gloo", device="cpu")
     if world < 2:  # one rank has nothing to reduce, replicate or hang on: every row reads 0
-        raise zero.UsageError("the mistakes need 2 or more ranks: torchrun --nproc_per_node=4 "
-                              "mistakes.py")
+        raise zero.UsageError("needs 2 or more ranks: torchrun --nproc_per_node=4 mistakes.py")
     results = run_lab(args.names)
     if rank != 0:
         return
@@ -681,7 +667,6 @@ def main(argv=None):
                      right=r["right"], why=" ".join(m.why.splitlines()), where=m.where,
                      **({"guard": r["guard"]} if "guard" in r else {}), detail=r.get("detail", []))
                 for n, r in results.items() for m in [MISTAKES[n]]]
-        from checkpoints import write_file  # (the files: checkpoints.py's)
         write_file(args.json, json.dumps(rows, indent=1))
 
 

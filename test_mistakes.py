@@ -113,5 +113,5 @@ def test_the_mistakes_lab_command_line(ran, shared, refused, one_rank):
         error, out = main_refused(mistakes.main, argv)
         assert error and message in error and "\n" not in error and out == "", (argv, error)
     code, out, err, message = refused["mistakes.py"]  # end to end: one line, exit code 2
-    assert code == 2 and err == (f"mistakes.py: error: {message}: "
-                                 "`python mistakes.py --list` names them\n"), err
+    assert code == 2 and err == (f"mistakes.py: error: {message}; "
+                                 "see `python mistakes.py --list`\n"), err
