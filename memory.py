@@ -51,12 +51,10 @@ def memory_size(text):
     size = float("nan")  # unless the text reads as a number and a unit
     with contextlib.suppress(ValueError, KeyError):
         size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
-    if size != size:  # not a number, or NaN
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB")
+    # (NaN, where the text is not a number and a unit, fails it too; under 1MB the threads the
+    # runtime still starts have no room: their stacks count)
     if not 10**6 <= size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 4EiB)" if size >= 2**62
-                                         else f"{text} leaves no room for the threads the runtime "
-                                         "still starts (their stacks count): at least 1MB")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1MB to 4EiB, like 400MB")
     return int(size)
 
 
@@ -231,9 +229,8 @@ def check_largest_model_args(args):
         raise UsageError("--largest-model needs --max-memory and --world-size")
     if "RANK" in os.environ:
         raise UsageError("--largest-model launches its own ranks: run it without torchrun")
-    if args.world_size < 2:
-        raise UsageError("--largest-model compares the stages, which differ only with 2 ranks or "
-                         "more: --world-size 2 at least")
+    if args.world_size < 2:  # (the stages compared differ only with 2 ranks or more)
+        raise UsageError("--largest-model needs --world-size 2 at least: 1 rank shards nothing")
     if args.ckpt_dir or args.resume_from or args.init_from or args.estimate or args.timeline:
         raise UsageError("--largest-model trains demo models of its own: not with --ckpt-dir, "
                          "--resume-from, --init-from, --estimate, --timeline")
@@ -272,34 +269,23 @@ def check_fits(args, world, device):
         except (OSError, KeyError):  # not Linux: no floor to hold the model against
             return
     if need * ranks > have:
-        raise UsageError(f"this model needs at least {_si(need)}B per rank (its model state by "
-                         f"stage {args.stage}'s formula, Ψ = {psi:,}, and its logits), "
-                         f"{ranks} rank(s) here: more than the {_si(have)}B there is")
+        raise UsageError(f"this model needs at least {_si(need)}B per rank (stage {args.stage}'s "
+                         f"formula, Ψ = {psi:,}, and logits) x {ranks} rank(s): over {_si(have)}B")
 
 
-@contextlib.contextmanager
-def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
-    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-@exit_on_sigterm()  # _trial's finally kills the trial's ranks
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
     trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
     Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
     that trial only. The search starts where the formula puts the wall and brackets it:
     wall_guess() says where, from what the trials that fitted measured."""
-    N, rows, walls, lo, t0, trials = args.world_size, [], [], 0, time.time(), 0
+    N, rows, walls, lo, t0, tried = args.world_size, [], [], 0, time.time(), {}
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
-    # on CPU tensors (as choose_device would put them) the N ranks share this machine's memory
+    # on CPU tensors (as choose_device would put them) the N ranks share this machine's memory:
+    # with less than they may take, the kernel would stop the trials, not the limit
     if not cuda and N * args.max_memory > (free := _sizes("/proc/meminfo")["MemAvailable"]):
         raise UsageError(f"--largest-model: {N} ranks x --max-memory {_si(args.max_memory)}B is "
-                         f"more than this machine's available memory ({_si(free)}B): the kernel "
-                         "would stop the trials, not the limit")
+                         f"more than this machine's available memory ({_si(free)}B)")
 
     def model_state(stage, layers):
         """The formula's, and in mixed precision step()'s fp32 copy of the gradients stepped
@@ -307,41 +293,46 @@ def largest_model(args):
         psi = _psi(args, layers)
         copy = 4 * psi / (1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
         return _formula(args, stage, psi) + copy
-    # rows: the table's; walls: each stage's largest trial that fitted (a Fit)
-    for stage in range(4):
-        tried, fitted = {}, []
+    # A SIGTERM ends this process through its finally blocks (exit 143): _trial's kills the
+    # trial's ranks
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        # rows: the table's; walls: each stage's largest trial that fitted (a Fit); tried: every
+        # trial, by (stage, blocks)
+        for stage in range(4):
+            fitted = []
 
-        def fits(layers):  # (each probe is one not tried yet: between lo and hi, below)
-            tried[layers] = res = _trial(args, stage, layers)
-            print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
-                  (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
-                   else res["error"].split(" (--max-memory")[0]), flush=True)
-            if res["ok"]:
-                state = model_state(stage, layers)
-                fitted.append(Fit(layers, res["state"] + res["rest"] - state,
-                                  res["state"] - state, res["per_block"]))
-            return res["ok"]
-        # lo: the most blocks known (or, from the previous stage, taken) to fit, below the cap
-        hi, up, down, lo = None, 0, 0, min(lo, MAX_LAYERS - 1)  # hi: the fewest that do not
-        while hi is None or hi - lo > 1:
-            guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
-            if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
-                layers, up = lo + 2 ** up, up + 1
-            elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
-                layers, down = hi - 2 ** down, down + 1
-            else:
-                layers, up, down = guess, 0, 0
-            layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
-            lo, hi = (layers, hi) if fits(layers) else (lo, layers)
-            if lo >= MAX_LAYERS:
-                break
-            if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
-                lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
-        rows.append((stage, tried.get(lo), tried.get(hi)))  # None: not tried at this stage
-        walls += [max(fitted)] if fitted else []
-        trials += len(tried)
+            def fits(layers):  # (each probe is one not tried yet: between lo and hi, below)
+                tried[stage, layers] = res = _trial(args, stage, layers)
+                print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
+                      (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
+                       else res["error"].split(" (--max-memory")[0]), flush=True)
+                if res["ok"]:  # what it held beyond the formula: in model state, and in all
+                    transient = res["state"] - model_state(stage, layers)
+                    fitted.append(Fit(layers, transient + res["rest"], transient, res["per_block"]))
+                return res["ok"]
+            # lo: the most blocks known (or, from the previous stage, taken) to fit, below the cap
+            hi, up, down, lo = None, 0, 0, min(lo, MAX_LAYERS - 1)  # hi: the fewest that do not
+            while (hi is None or hi - lo > 1) and lo < MAX_LAYERS:
+                guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
+                if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
+                    layers, up = lo + 2 ** up, up + 1
+                elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
+                    layers, down = hi - 2 ** down, down + 1
+                else:
+                    layers, up, down = guess, 0, 0
+                layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
+                lo, hi = (layers, hi) if fits(layers) else (lo, layers)
+                # lo, taken from the stage before, must fit here too (a later stage holds less
+                # than an earlier one, mostly): where it does not, the search goes below it
+                if hi == lo + 1 and lo and (stage, lo) not in tried and not fits(lo):
+                    lo, hi, down = 0, lo, 0
+            rows.append((stage, tried.get((stage, lo)), tried.get((stage, hi))))  # None: not tried
+            walls += [max(fitted)] if fitted else []
+    finally:
+        signal.signal(signal.SIGTERM, old)  # (the handler is --largest-model's only)
     print_memory_wall(args, rows)
-    print(f"{trials} trials in {time.time() - t0:.0f} s")
+    print(f"{len(tried)} trials in {time.time() - t0:.0f} s")
     if not walls:
         raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
                           f"within --max-memory {_si(args.max_memory)}B at any stage")
@@ -376,15 +367,14 @@ def wall_guess(fitted, walls, formula, limit):
     else:
         excess, limit = (lambda n: 0), limit / 2  # noqa: E731
     need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
-    fitting = bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need)  # 0, 1... that fit
-    return max(fitting - 1, 1)
+    # bisect_right: how many of 0, 1, 2... blocks fit; the last of them, 1 at the least
+    return max(bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need) - 1, 1)
 
 
 def _trial(args, stage, layers):
     """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
     Returns what rank 0 measured, or the first error a rank reported."""
-    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2"] + \
-        ["--bf16"] * args.bf16
+    argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16
     for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
                  "backend", "device", "data", "shard_size"):  # the rest as given, or by default
         value = getattr(args, name)
@@ -407,8 +397,7 @@ def _trial(args, stage, layers):
     failed = [results[r] for r in sorted(results) if not results[r]["ok"]]
     if not failed and len(results) < args.world_size:
         failed = [{"ok": False, "error": "no answer before the deadline"}]
-    oom = [res for res in failed
-           if any(m in res["error"] for m in ("out of memory", "MemoryError"))]
+    oom = [f for f in failed if "out of memory" in f["error"] or "MemoryError" in f["error"]]
     if failed and not oom:
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
                          f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
@@ -426,8 +415,9 @@ def _collect(pipes, procs, deadline):
             try:
                 results[r] = recv.recv()
             except EOFError:
-                results[r] = {"ok": False, "error": f"rank {r} died (exit code "
-                                                    f"{procs[r].exitcode})"}
+                results[r] = {"ok": False, "error": f"rank {r} died: exit code {procs[r].exitcode}"}
+
+
             over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
     return results
 
@@ -623,12 +613,11 @@ def timeline_svg(panels):
     for i, p in enumerate(panels):
         ev, dx, edges = p.events, W / len(p.events), [_edges(e) for e in p.events]
         svg.append(f'<g transform="translate({L + i * (W + GAP)},{T})">')
-        for b, kind in enumerate(STACK):  # a band: along its top edge, back along its bottom edge
+        for b, k in enumerate(STACK):  # a band of kind k: along its top edge, back along its bottom
             outline = [(j + h, edges[j][b + 1]) for j in range(len(ev)) for h in (0, 1)]
             outline += [(j + h, edges[j][b]) for j in reversed(range(len(ev))) for h in (1, 0)]
-            d = " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline)
-            svg.append(_tag("path", class_=f"band {kind}", data_stage=p.stage, fill=COLORS[kind],
-                            d=f"M{d} Z"))
+            d = "M" + " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline) + " Z"
+            svg.append(_tag("path", class_=f"band {k}", data_stage=p.stage, fill=COLORS[k], d=d))
         # the formula's levels, labelled right, left, right: apart where two lines are close
         for kind, level in zip(STACK, accumulate(p.formula[k] for k in STACK)):
             at = dict(x=2) if kind == "params" else dict(x=W - 2, text_anchor="end")
@@ -636,15 +625,16 @@ def timeline_svg(panels):
                          stroke="black", stroke_dasharray="4 2"),
                     _tag("text", f"{kind} {p.symbols[kind]}", y=y(level) - 3, **at)]
         if cuda:
-            line = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}"
-                            for j, e in enumerate(ev))
-            svg.append(_tag("polyline", class_="cuda", points=line, fill="none", stroke="black",
+            xy = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}" for j, e in enumerate(ev))
+            svg.append(_tag("polyline", class_="cuda", points=xy, fill="none", stroke="black",
                             stroke_width=2))
         for j, e in enumerate(ev):  # the event under the pointer
             event = (f"{j + 1}. {escape(e['event'])}: params {e['params']:,}, grads "
                      f"{e['grads']:,}, optimizer {e['optimizer']:,}")
             svg.append(_tag("rect", _tag("title", event), x=j * dx, width=dx, height=H,
                             fill="transparent"))
+
+
         j = _peak(ev)
         peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
         svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
