@@ -416,8 +416,6 @@ def _collect(pipes, procs, deadline):
                 results[r] = recv.recv()
             except EOFError:
                 results[r] = {"ok": False, "error": f"rank {r} died: exit code {procs[r].exitcode}"}
-
-
             over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
     return results
 
@@ -633,8 +631,6 @@ def timeline_svg(panels):
                      f"{e['grads']:,}, optimizer {e['optimizer']:,}")
             svg.append(_tag("rect", _tag("title", event), x=j * dx, width=dx, height=H,
                             fill="transparent"))
-
-
         j = _peak(ev)
         peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
         svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
