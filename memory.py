@@ -115,9 +115,10 @@ def raise_if_out_of_memory(e, args, model, progress):
     """train()'s error e, if it is this rank running out of memory (--max-memory's or a real
     one): OutOfMemory, one line naming the rank, where it was (Progress) and the stage's
     formula. Any other error: nothing (train() raises it as it is)."""
-    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
-            "can't allocate memory", "Cannot allocate memory", "bad_alloc")) or args.max_memory
-            and "could not create a primitive" in str(e)):  # (oneDNN's, refused its memory)
+    # glibc's "can't allocate memory" and "Cannot allocate memory", C++'s bad_alloc, and under a
+    # limit oneDNN's "could not create a primitive" (refused its memory)
+    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "allocate memory" in str(e)
+            or "bad_alloc" in str(e) or args.max_memory and "create a primitive" in str(e)):
         return
     unlimit_memory()  # the line below needs memory too: under the limit it failed again
     world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())
@@ -264,10 +265,9 @@ def check_fits(args, world, device):
         have = torch.cuda.get_device_properties(device).total_memory
         ranks = -(-ranks // torch.cuda.device_count())
     else:
-        try:
+        have = float("inf")  # unless this is Linux: no floor to hold the model against
+        with contextlib.suppress(OSError, KeyError):
             have = _sizes("/proc/meminfo")["MemAvailable"]
-        except (OSError, KeyError):  # not Linux: no floor to hold the model against
-            return
     if need * ranks > have:
         raise UsageError(f"this model needs at least {_si(need)}B per rank (stage {args.stage}'s "
                          f"formula, Ψ = {psi:,}, and logits) x {ranks} rank(s): over {_si(have)}B")
@@ -377,9 +377,8 @@ def _trial(args, stage, layers):
     argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16
     for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
                  "backend", "device", "data", "shard_size"):  # the rest as given, or by default
-        value = getattr(args, name)
-        if value is not None and (stage or name != "shard_size"):  # (stage 0 shards nothing)
-            argv += ["--" + name.replace("_", "-"), str(value)]
+        if getattr(args, name) is not None and (stage or name != "shard_size"):  # (stage 0: none)
+            argv.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
         port = s.getsockname()[1]
     ctx = get_context("spawn")
@@ -515,15 +514,16 @@ def stop_timeline(zero):
 
 
 # What one run's picture needs: the events of its recorded step (a Timeline), and of each kind
-# the formula's bytes per rank and its symbol (12Ψ/N). groups: ", G = 2" under hybrid sharding.
-Panel = namedtuple("Panel", "stage step world psi groups dtype events formula symbols")
+# the formula's bytes per rank and its symbol (12Ψ/N). groups: ", G = 2" under hybrid sharding;
+# name: the stage's short name ("data parallel", "ZeRO-2").
+Panel = namedtuple("Panel", "stage name step world psi groups dtype events formula symbols")
 
 
 def timeline_panel(res, args):
     """One run's Panel, from what train() returned (res) and its args."""
     s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
-    return Panel(stage=s, step=args.steps, world=N, psi=res["psi"],
-                 groups=f", G = {G}" if G < N else "", events=res["timeline"],
+    return Panel(stage=s, name=STAGE_NAMES[s].split(":")[0], step=args.steps, world=N,
+                 psi=res["psi"], groups=f", G = {G}" if G < N else "", events=res["timeline"],
                  dtype="bf16 mixed precision" if args.bf16 else "fp32",
                  formula=memory_formula(s, res["psi"], N, *bytes_per_parameter(args), G),
                  # (hybrid: the symbols say 1/G)
@@ -555,7 +555,7 @@ def timeline_text(panels, width=100):
     for p in panels:
         ev, formula, peak = p.events, sum(p.formula.values()), _peak(p.events)
         c = max(col(formula), 1)  # the formula's total: a | in (or after) each bar
-        out += [f"stage {p.stage}, {STAGE_NAMES[p.stage].split(':')[0]}: model-state bytes "
+        out += [f"stage {p.stage}, {p.name}: model-state bytes "
                 f"of rank 0 after each event of step {p.step} (N = {p.world}{p.groups})",
                 f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
                 f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
@@ -627,10 +627,9 @@ def timeline_svg(panels):
             svg.append(_tag("polyline", class_="cuda", points=xy, fill="none", stroke="black",
                             stroke_width=2))
         for j, e in enumerate(ev):  # the event under the pointer
-            event = (f"{j + 1}. {escape(e['event'])}: params {e['params']:,}, grads "
-                     f"{e['grads']:,}, optimizer {e['optimizer']:,}")
-            svg.append(_tag("rect", _tag("title", event), x=j * dx, width=dx, height=H,
-                            fill="transparent"))
+            sizes = ", ".join(f"{k} {e[k]:,}" for k in ("params", "grads", "optimizer"))
+            hover = _tag("title", f"{j + 1}. {escape(e['event'])}: {sizes}")
+            svg.append(_tag("rect", hover, x=j * dx, width=dx, height=H, fill="transparent"))
         j = _peak(ev)
         peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
         svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
@@ -638,8 +637,7 @@ def timeline_svg(panels):
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
             svg += [_tag("line", x1=j * dx, x2=j * dx, y2=H, stroke="#444", stroke_dasharray="1 3"),
                     _tag("text", "step", x=j * dx - 3, y=H - 4, text_anchor="end")]
-        svg += [_tag("text", f"stage {p.stage}: {STAGE_NAMES[p.stage].split(':')[0]}", y=-8,
-                     font_size=13),
+        svg += [_tag("text", f"stage {p.stage}: {p.name}", y=-8, font_size=13),
                 _tag("text", f"{len(ev)} events of step {p.step}, in order", y=H + 15),
                 _tag("rect", width=W, height=H, fill="none", stroke="#999"), "</g>"]
     width = max(right, L + 8 * len(title), L + sum(30 + 7 * len(text) for _, _, text in keys))
@@ -677,8 +675,7 @@ def check_timeline_args(args):
     if args.timeline and args.timeline_all:
         raise UsageError("--timeline and --timeline-all: choose one")
     if args.estimate or args.consolidate:
-        raise UsageError("--timeline and --timeline-all draw a training run: not with "
-                         "--estimate or --consolidate")
+        raise UsageError("--timeline[-all] draws training: not with --estimate or --consolidate")
     if args.steps < 2:
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
     if args.timeline_all and (args.ckpt_dir or args.resume_from):
