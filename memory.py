@@ -95,8 +95,7 @@ def limit_memory(size, device, watch=None):
     try:
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)  # (RLIM_INFINITY is -1: no min)
         new = _sizes()["VmData"] + size
-        resource.setrlimit(resource.RLIMIT_DATA, (new if hard == resource.RLIM_INFINITY
-                                                  else min(new, hard), hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (new if hard < 0 else min(new, hard), hard))
         if watch is not None:
             watch.start()
         return _sizes()["VmRSS"]
@@ -359,15 +358,16 @@ def wall_guess(fitted, walls, formula, limit):
       which costs one trial more at most (it fits, and measures this stage's own);
     - before any trial at all, none, on half the limit: the model whose formula is half the
       limit, which leaves half of it for the excess, and measures it."""
-    if fitted or walls:
-        last = max(fitted) if fitted else walls[-1]
-        grow = 0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else \
-            max(walls[-1].transient - walls[-2].transient, 0)
-        excess = lambda n: last.excess + grow + last.per_block * (n - last.layers)  # noqa: E731
-    else:
-        excess, limit = (lambda n: 0), limit / 2  # noqa: E731
-    need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
-    # bisect_right: how many of 0, 1, 2... blocks fit; the last of them, 1 at the least
+    if not (fitted or walls):  # no trial yet: one that measured no excess, on half the limit
+        fitted, limit = [Fit(0, 0, 0, 0)], limit / 2
+    # excess: what the last trial held beyond the formula, at its blocks, and (from a stage
+    # before) the growth guessed for this stage
+    last = max(fitted) if fitted else walls[-1]
+    excess = last.excess + (0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else
+                            max(walls[-1].transient - walls[-2].transient, 0))
+    need = lambda n: formula(n) + excess + last.per_block * (n - last.layers)  # noqa: E731
+    # need grows with n: bisect_right says how many of 0, 1, 2... blocks fit; the last of them,
+    # 1 at the least
     return max(bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need) - 1, 1)
 
 
@@ -448,8 +448,7 @@ def print_memory_wall(args, rows):
           + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
           f"{args.n_head} heads, {args.batch_size} row(s) x {args.seq_len} bytes per rank, "
           + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
-    print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
-          f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
+    print("stage blocks    Ψ trained   formula  measured     rest | blocks    Ψ refused   formula")
 
     def columns(stage, res):  # a trial's blocks, Ψ and formula
         return f"{res['layers']:>6} {res['psi']:>12,} {_si(_formula(args, stage, res['psi'])):>8}B"
@@ -616,16 +615,15 @@ def timeline_svg(panels):
             outline += [(j + h, edges[j][b]) for j in reversed(range(len(ev))) for h in (1, 0)]
             d = "M" + " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline) + " Z"
             svg.append(_tag("path", class_=f"band {k}", data_stage=p.stage, fill=COLORS[k], d=d))
-        # the formula's levels, labelled right, left, right: apart where two lines are close
-        for kind, level in zip(STACK, accumulate(p.formula[k] for k in STACK)):
-            at = dict(x=2) if kind == "params" else dict(x=W - 2, text_anchor="end")
-            svg += [_tag("line", class_=f"formula {kind}", x2=W, y1=y(level), y2=y(level),
-                         stroke="black", stroke_dasharray="4 2"),
-                    _tag("text", f"{kind} {p.symbols[kind]}", y=y(level) - 3, **at)]
-        if cuda:
-            xy = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}" for j, e in enumerate(ev))
-            svg.append(_tag("polyline", class_="cuda", points=xy, fill="none", stroke="black",
-                            stroke_width=2))
+        # the formula's levels (its edges, stacked as the bands are) of kind k at height h,
+        # labelled right, left, right: apart where two lines are close
+        for k, h in zip(STACK, map(y, _edges(p.formula)[1:])):
+            at = dict(x=2) if k == "params" else dict(x=W - 2, text_anchor="end")
+            svg += [_tag("line", class_=f"formula {k}", x2=W, y1=h, y2=h, stroke_dasharray="4 2",
+                         stroke="black"), _tag("text", f"{k} {p.symbols[k]}", y=h - 3, **at)]
+        xy = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}" for j, e in enumerate(ev))
+        svg += [_tag("polyline", class_="cuda", points=xy, fill="none", stroke="black",
+                     stroke_width=2)] * cuda  # (on CUDA only)
         for j, e in enumerate(ev):  # the event under the pointer
             sizes = ", ".join(f"{k} {e[k]:,}" for k in ("params", "grads", "optimizer"))
             hover = _tag("title", f"{j + 1}. {escape(e['event'])}: {sizes}")
@@ -679,8 +677,7 @@ def check_timeline_args(args):
     if args.steps < 2:
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
     if args.timeline_all and (args.ckpt_dir or args.resume_from):
-        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir, "
-                         "--resume-from")
+        raise UsageError("--timeline-all trains from scratch: not with --ckpt-dir, --resume-from")
     folder = os.path.dirname(path) or "."
     from checkpoints import writable  # (the files: checkpoints.py's)
     if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):
