@@ -185,10 +185,8 @@ class Watch(Progress):
 
     def block_forward(self, name):
         super().block_forward(name)
-        if torch.is_grad_enabled():
-            if name == "blocks.0":  # a new forward
-                self.forward = []
-            self.forward.append(self.now)
+        if torch.is_grad_enabled():  # (blocks.0: a new forward)
+            self.forward = [*self.forward, self.now] if name != "blocks.0" else [self.now]
 
     def per_block(self):
         """Bytes one more block adds to what a rank holds beyond its model state: what the data
@@ -225,12 +223,11 @@ class Watch(Progress):
 
 def check_largest_model_args(args):
     """zero.py --largest-model: bad input is a UsageError before anything runs."""
-    if args.max_memory is None or args.world_size is None:
-        raise UsageError("--largest-model needs --max-memory and --world-size")
+    # (--world-size 2 at least: the stages compared differ only with 2 ranks or more)
+    if args.max_memory is None or (args.world_size or 0) < 2:
+        raise UsageError("--largest-model needs --max-memory and --world-size 2 at least")
     if "RANK" in os.environ:
         raise UsageError("--largest-model launches its own ranks: run it without torchrun")
-    if args.world_size < 2:  # (the stages compared differ only with 2 ranks or more)
-        raise UsageError("--largest-model needs --world-size 2 at least: 1 rank shards nothing")
     if args.ckpt_dir or args.resume_from or args.init_from or args.estimate or args.timeline:
         raise UsageError("--largest-model trains demo models of its own: not with --ckpt-dir, "
                          "--resume-from, --init-from, --estimate, --timeline")
@@ -380,10 +377,10 @@ def _trial(args, stage, layers):
         if getattr(args, name) is not None and (stage or name != "shard_size"):  # (stage 0: none)
             argv.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
-        port = s.getsockname()[1]
+        port = str(s.getsockname()[1])
     ctx = get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
-    procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
+    procs = [ctx.Process(target=_trial_rank, args=(str(r), str(args.world_size), port, argv, send))
              for r, (_, send) in enumerate(pipes)]
     for p in procs:
         p.start()
@@ -420,9 +417,9 @@ def _collect(pipes, procs, deadline):
 
 
 def _trial_rank(rank, world, port, argv, send):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    # (rank, world, port: strings, as the environment holds them)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, LOCAL_RANK=rank,
+                      WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
@@ -455,8 +452,7 @@ def print_memory_wall(args, rows):
     for stage, ok, no in rows:
         left = f"{columns(stage, ok)} {_si(ok['state']):>8}B {_si(ok['rest']):>7}B" if ok else \
             f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
-        right = columns(stage, no) if no else f"{'-':>6}"
-        print(f"{stage:<6}{left} | {right}")
+        print(f"{stage:<6}{left} | " + (columns(stage, no) if no else "     -"))
     best = {stage: ok for stage, ok, _ in rows if ok}
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
@@ -601,8 +597,7 @@ def timeline_svg(panels):
     keys += [("black", "━━", "torch.cuda.memory_allocated (activations included)")] * cuda
     # the legend: one line of text, a coloured mark before each key, em spaces between (SVG
     # collapses plain spaces)
-    legend = "\u2003".join(f'<tspan fill="{color}">{mark}</tspan> {text}'
-                           for color, mark, text in keys)
+    legend = "\u2003".join(_tag("tspan", mark, fill=color) + f" {key}" for color, mark, key in keys)
     svg = [_tag("text", title, x=L, y=20, font_size=14), _tag("text", legend, x=L, y=48)]
     for b in range(0, int(top) + 1, tick):  # the byte axis, shared by every panel
         svg += [_tag("line", x1=L, x2=right - GAP, y1=T + y(b), y2=T + y(b), stroke="#ddd"),
