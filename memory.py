@@ -18,10 +18,8 @@ What it uses of zero.py: train(), the Meter's records (meter.timeline), the form
 (memory_formula), the demo GPT and the command line's parser (training_parser, check_args).
 zero.py imports this file at the flags and the calls that need it.
 """
-import argparse, bisect, contextlib, functools, os, signal, socket, sys, time
+import argparse, bisect, contextlib, functools, html, itertools, os, signal, socket, sys, time
 from collections import namedtuple
-from html import escape
-from itertools import accumulate
 from multiprocessing import connection, get_context
 
 import torch
@@ -48,14 +46,13 @@ def memory_size(text):
     1MB: what threads the runtime still starts need (their stacks count; below it one can abort
     the process, in glibc)."""
     number = text.strip().rstrip("BbIiKkMmGgTt ")
-    size = float("nan")  # unless the text reads as a number and a unit
-    with contextlib.suppress(ValueError, KeyError):
+    with contextlib.suppress(ValueError, KeyError):  # (else: not a number and a unit)
         size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
-    # (NaN, where the text is not a number and a unit, fails it too; under 1MB the threads the
-    # runtime still starts have no room: their stacks count)
-    if not 10**6 <= size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1MB to 4EiB, like 400MB")
-    return int(size)
+        # (NaN fails it too; under 1MB the threads the runtime still starts have no room: their
+        # stacks count)
+        if 10**6 <= size < 2**62:
+            return int(size)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1MB to 4EiB, like 400MB")
 
 
 def _sizes(path="/proc/self/status"):
@@ -256,12 +253,13 @@ def check_fits(args, world, device):
     available, shared by the local ranks; a GPU: its own, shared by the ranks on it)."""
     psi = _psi(args, args.n_layer)
     need = _formula(args, args.stage, psi, world) + 8 * args.batch_size * args.seq_len * 256
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # have: the memory there is, infinite where it is not known (not Linux: no floor to hold the
+    # model against)
+    ranks, have = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), float("inf")
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
         ranks = -(-ranks // torch.cuda.device_count())
     else:
-        have = float("inf")  # unless this is Linux: no floor to hold the model against
         with contextlib.suppress(OSError, KeyError):
             have = _sizes("/proc/meminfo")["MemAvailable"]
     if need * ranks > have:
@@ -390,9 +388,9 @@ def _trial(args, stage, layers):
         for p in procs:
             p.kill()
             p.join()
-    failed = [results[r] for r in sorted(results) if not results[r]["ok"]]
-    if not failed and len(results) < args.world_size:
-        failed = [{"ok": False, "error": "no answer before the deadline"}]
+    # the reports of failure, or where none failed but not every rank answered, that
+    failed = [results[r] for r in sorted(results) if not results[r]["ok"]] or [
+        {"ok": False, "error": "no answer before the deadline"}] * (len(results) < args.world_size)
     oom = [f for f in failed if "out of memory" in f["error"] or "MemoryError" in f["error"]]
     if failed and not oom:
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
@@ -421,9 +419,9 @@ def _trial_rank(rank, world, port, argv, send):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, LOCAL_RANK=rank,
                       WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
-    os.dup2(devnull, 2)
+    # the trials are quiet: what they measure comes back through `send`
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(1, 2)  # (stderr to the same)
     try:
         res = train(check_args(training_parser("").parse_args(argv)), quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
@@ -530,7 +528,7 @@ def _total(e):
 
 
 def _edges(e):  # where each kind's band starts and ends, stacked: 0, optimizer, + params, + grads
-    return [0, *accumulate(e[k] for k in STACK)]
+    return [0, *itertools.accumulate(e[k] for k in STACK)]
 
 
 def _peak(events):  # the first event after which the most is held
@@ -621,10 +619,10 @@ def timeline_svg(panels):
                      stroke_width=2)] * cuda  # (on CUDA only)
         for j, e in enumerate(ev):  # the event under the pointer
             sizes = ", ".join(f"{k} {e[k]:,}" for k in ("params", "grads", "optimizer"))
-            hover = _tag("title", f"{j + 1}. {escape(e['event'])}: {sizes}")
+            hover = _tag("title", f"{j + 1}. {html.escape(e['event'])}: {sizes}")
             svg.append(_tag("rect", hover, x=j * dx, width=dx, height=H, fill="transparent"))
         j = _peak(ev)
-        peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
+        peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {html.escape(ev[j]['event'])}"
         svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
                      fill="red"), _tag("text", peak, y=H + 30)]
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
