@@ -372,7 +372,8 @@ def _trial(args, stage, layers):
     argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16
     for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
                  "backend", "device", "data", "shard_size"):  # the rest as given, or by default
-        if getattr(args, name) is not None and (stage or name != "shard_size"):  # (stage 0: none)
+        # (stage 0 shards nothing: no --shard-size)
+        if getattr(args, name) is not None and (stage or name != "shard_size"):
             argv.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
         port = str(s.getsockname()[1])
@@ -388,7 +389,7 @@ def _trial(args, stage, layers):
         for p in procs:
             p.kill()
             p.join()
-    # the reports of failure, or where none failed but not every rank answered, that
+    # the ranks' reports of failure; where none failed but a rank never answered, that one
     failed = [results[r] for r in sorted(results) if not results[r]["ok"]] or [
         {"ok": False, "error": "no answer before the deadline"}] * (len(results) < args.world_size)
     oom = [f for f in failed if "out of memory" in f["error"] or "MemoryError" in f["error"]]
