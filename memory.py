@@ -18,10 +18,8 @@ What it uses of zero.py: train(), the Meter's records (meter.timeline), the form
 (memory_formula), the demo GPT and the command line's parser (training_parser, check_args).
 zero.py imports this file at the flags and the calls that need it.
 """
-import argparse, bisect, contextlib, functools, os, signal, socket, sys, time
+import argparse, bisect, contextlib, functools, html, itertools, os, signal, socket, sys, time
 from collections import namedtuple
-from html import escape
-from itertools import accumulate
 from multiprocessing import connection, get_context
 
 import torch
@@ -48,16 +46,13 @@ def memory_size(text):
     1MB: what threads the runtime still starts need (their stacks count; below it one can abort
     the process, in glibc)."""
     number = text.strip().rstrip("BbIiKkMmGgTt ")
-    size = float("nan")  # unless the text reads as a number and a unit
-    with contextlib.suppress(ValueError, KeyError):
+    with contextlib.suppress(ValueError, KeyError):  # (else: not a number and a unit)
         size = float(number) * UNITS[text.strip()[len(number):].strip().upper()]
-    if size != size:  # not a number, or NaN
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 400MB or 2GiB")
-    if not 10**6 <= size < 2**62:
-        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most 4EiB)" if size >= 2**62
-                                         else f"{text} leaves no room for the threads the runtime "
-                                         "still starts (their stacks count): at least 1MB")
-    return int(size)
+        # (NaN fails it too; under 1MB the threads the runtime still starts have no room: their
+        # stacks count)
+        if 10**6 <= size < 2**62:
+            return int(size)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1MB to 4EiB, like 400MB")
 
 
 def _sizes(path="/proc/self/status"):
@@ -97,8 +92,7 @@ def limit_memory(size, device, watch=None):
     try:
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)  # (RLIM_INFINITY is -1: no min)
         new = _sizes()["VmData"] + size
-        resource.setrlimit(resource.RLIMIT_DATA, (new if hard == resource.RLIM_INFINITY
-                                                  else min(new, hard), hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (new if hard < 0 else min(new, hard), hard))
         if watch is not None:
             watch.start()
         return _sizes()["VmRSS"]
@@ -117,9 +111,10 @@ def raise_if_out_of_memory(e, args, model, progress):
     """train()'s error e, if it is this rank running out of memory (--max-memory's or a real
     one): OutOfMemory, one line naming the rank, where it was (Progress) and the stage's
     formula. Any other error: nothing (train() raises it as it is)."""
-    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in (
-            "can't allocate memory", "Cannot allocate memory", "bad_alloc")) or args.max_memory
-            and "could not create a primitive" in str(e)):  # (oneDNN's, refused its memory)
+    # glibc's "can't allocate memory" and "Cannot allocate memory", C++'s bad_alloc, and under a
+    # limit oneDNN's "could not create a primitive" (refused its memory)
+    if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "allocate memory" in str(e)
+            or "bad_alloc" in str(e) or args.max_memory and "create a primitive" in str(e)):
         return
     unlimit_memory()  # the line below needs memory too: under the limit it failed again
     world, psi = dist.get_world_size(), sum(p.numel() for p in model.parameters())
@@ -187,10 +182,8 @@ class Watch(Progress):
 
     def block_forward(self, name):
         super().block_forward(name)
-        if torch.is_grad_enabled():
-            if name == "blocks.0":  # a new forward
-                self.forward = []
-            self.forward.append(self.now)
+        if torch.is_grad_enabled():  # (blocks.0: a new forward)
+            self.forward = [*self.forward, self.now] if name != "blocks.0" else [self.now]
 
     def per_block(self):
         """Bytes one more block adds to what a rank holds beyond its model state: what the data
@@ -227,13 +220,11 @@ class Watch(Progress):
 
 def check_largest_model_args(args):
     """zero.py --largest-model: bad input is a UsageError before anything runs."""
-    if args.max_memory is None or args.world_size is None:
-        raise UsageError("--largest-model needs --max-memory and --world-size")
+    # (--world-size 2 at least: the stages compared differ only with 2 ranks or more)
+    if args.max_memory is None or (args.world_size or 0) < 2:
+        raise UsageError("--largest-model needs --max-memory and --world-size 2 at least")
     if "RANK" in os.environ:
         raise UsageError("--largest-model launches its own ranks: run it without torchrun")
-    if args.world_size < 2:
-        raise UsageError("--largest-model compares the stages, which differ only with 2 ranks or "
-                         "more: --world-size 2 at least")
     if args.ckpt_dir or args.resume_from or args.init_from or args.estimate or args.timeline:
         raise UsageError("--largest-model trains demo models of its own: not with --ckpt-dir, "
                          "--resume-from, --init-from, --estimate, --timeline")
@@ -262,44 +253,33 @@ def check_fits(args, world, device):
     available, shared by the local ranks; a GPU: its own, shared by the ranks on it)."""
     psi = _psi(args, args.n_layer)
     need = _formula(args, args.stage, psi, world) + 8 * args.batch_size * args.seq_len * 256
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # have: the memory there is, infinite where it is not known (not Linux: no floor to hold the
+    # model against)
+    ranks, have = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), float("inf")
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
         ranks = -(-ranks // torch.cuda.device_count())
     else:
-        try:
+        with contextlib.suppress(OSError, KeyError):
             have = _sizes("/proc/meminfo")["MemAvailable"]
-        except (OSError, KeyError):  # not Linux: no floor to hold the model against
-            return
     if need * ranks > have:
-        raise UsageError(f"this model needs at least {_si(need)}B per rank (its model state by "
-                         f"stage {args.stage}'s formula, Ψ = {psi:,}, and its logits), "
-                         f"{ranks} rank(s) here: more than the {_si(have)}B there is")
+        raise UsageError(f"this model needs at least {_si(need)}B per rank (stage {args.stage}'s "
+                         f"formula, Ψ = {psi:,}, and logits) x {ranks} rank(s): over {_si(have)}B")
 
 
-@contextlib.contextmanager
-def exit_on_sigterm():  # SIGTERM ends this process through its finally blocks (exit 143)
-    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-@exit_on_sigterm()  # _trial's finally kills the trial's ranks
 def largest_model(args):
     """--largest-model: for each stage, the largest demo GPT (more blocks of --d-model) that
     trains 2 steps within --max-memory on every one of --world-size ranks, found by trying.
     Each trial is a fresh job of N processes on this machine; one that runs out of memory ends
     that trial only. The search starts where the formula puts the wall and brackets it:
     wall_guess() says where, from what the trials that fitted measured."""
-    N, rows, walls, lo, t0, trials = args.world_size, [], [], 0, time.time(), 0
+    N, rows, walls, lo, t0, tried = args.world_size, [], [], 0, time.time(), {}
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
-    # on CPU tensors (as choose_device would put them) the N ranks share this machine's memory
+    # on CPU tensors (as choose_device would put them) the N ranks share this machine's memory:
+    # with less than they may take, the kernel would stop the trials, not the limit
     if not cuda and N * args.max_memory > (free := _sizes("/proc/meminfo")["MemAvailable"]):
         raise UsageError(f"--largest-model: {N} ranks x --max-memory {_si(args.max_memory)}B is "
-                         f"more than this machine's available memory ({_si(free)}B): the kernel "
-                         "would stop the trials, not the limit")
+                         f"more than this machine's available memory ({_si(free)}B)")
 
     def model_state(stage, layers):
         """The formula's, and in mixed precision step()'s fp32 copy of the gradients stepped
@@ -307,41 +287,46 @@ def largest_model(args):
         psi = _psi(args, layers)
         copy = 4 * psi / (1 if stage == 0 else args.shard_size or N) if args.bf16 else 0
         return _formula(args, stage, psi) + copy
-    # rows: the table's; walls: each stage's largest trial that fitted (a Fit)
-    for stage in range(4):
-        tried, fitted = {}, []
+    # A SIGTERM ends this process through its finally blocks (exit 143): _trial's kills the
+    # trial's ranks
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        # rows: the table's; walls: each stage's largest trial that fitted (a Fit); tried: every
+        # trial, by (stage, blocks)
+        for stage in range(4):
+            fitted = []
 
-        def fits(layers):  # (each probe is one not tried yet: between lo and hi, below)
-            tried[layers] = res = _trial(args, stage, layers)
-            print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
-                  (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
-                   else res["error"].split(" (--max-memory")[0]), flush=True)
-            if res["ok"]:
-                state = model_state(stage, layers)
-                fitted.append(Fit(layers, res["state"] + res["rest"] - state,
-                                  res["state"] - state, res["per_block"]))
-            return res["ok"]
-        # lo: the most blocks known (or, from the previous stage, taken) to fit, below the cap
-        hi, up, down, lo = None, 0, 0, min(lo, MAX_LAYERS - 1)  # hi: the fewest that do not
-        while hi is None or hi - lo > 1:
-            guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
-            if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
-                layers, up = lo + 2 ** up, up + 1
-            elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
-                layers, down = hi - 2 ** down, down + 1
-            else:
-                layers, up, down = guess, 0, 0
-            layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
-            lo, hi = (layers, hi) if fits(layers) else (lo, layers)
-            if lo >= MAX_LAYERS:
-                break
-            if hi == lo + 1 and lo and lo not in tried and not fits(lo):  # (a later stage
-                lo, hi, down = 0, lo, 0  # holds less than an earlier one, mostly: not here)
-        rows.append((stage, tried.get(lo), tried.get(hi)))  # None: not tried at this stage
-        walls += [max(fitted)] if fitted else []
-        trials += len(tried)
+            def fits(layers):  # (each probe is one not tried yet: between lo and hi, below)
+                tried[stage, layers] = res = _trial(args, stage, layers)
+                print(f"  stage {stage}, {layers:>4} blocks, Ψ = {res['psi']:>13,}: " +
+                      (f"trained, {_si(res['state'] + res['rest'])}B at the most" if res["ok"]
+                       else res["error"].split(" (--max-memory")[0]), flush=True)
+                if res["ok"]:  # what it held beyond the formula: in model state, and in all
+                    transient = res["state"] - model_state(stage, layers)
+                    fitted.append(Fit(layers, transient + res["rest"], transient, res["per_block"]))
+                return res["ok"]
+            # lo: the most blocks known (or, from the previous stage, taken) to fit, below the cap
+            hi, up, down, lo = None, 0, 0, min(lo, MAX_LAYERS - 1)  # hi: the fewest that do not
+            while (hi is None or hi - lo > 1) and lo < MAX_LAYERS:
+                guess = wall_guess(fitted, walls, lambda n: model_state(stage, n), args.max_memory)
+                if guess <= lo:  # the guess is at or below what fits: try above, 1, 2, 4... more
+                    layers, up = lo + 2 ** up, up + 1
+                elif hi is not None and guess >= hi:  # at or above what did not: 1, 2, 4... less
+                    layers, down = hi - 2 ** down, down + 1
+                else:
+                    layers, up, down = guess, 0, 0
+                layers = max(lo + 1, min(layers, MAX_LAYERS if hi is None else hi - 1))
+                lo, hi = (layers, hi) if fits(layers) else (lo, layers)
+                # lo, taken from the stage before, must fit here too (a later stage holds less
+                # than an earlier one, mostly): where it does not, the search goes below it
+                if hi == lo + 1 and lo and (stage, lo) not in tried and not fits(lo):
+                    lo, hi, down = 0, lo, 0
+            rows.append((stage, tried.get((stage, lo)), tried.get((stage, hi))))  # None: not tried
+            walls += [max(fitted)] if fitted else []
+    finally:
+        signal.signal(signal.SIGTERM, old)  # (the handler is --largest-model's only)
     print_memory_wall(args, rows)
-    print(f"{trials} trials in {time.time() - t0:.0f} s")
+    print(f"{len(tried)} trials in {time.time() - t0:.0f} s")
     if not walls:
         raise OutOfMemory(f"--largest-model: not even 1 block of d_model {args.d_model} trains "
                           f"within --max-memory {_si(args.max_memory)}B at any stage")
@@ -368,33 +353,33 @@ def wall_guess(fitted, walls, formula, limit):
       which costs one trial more at most (it fits, and measures this stage's own);
     - before any trial at all, none, on half the limit: the model whose formula is half the
       limit, which leaves half of it for the excess, and measures it."""
-    if fitted or walls:
-        last = max(fitted) if fitted else walls[-1]
-        grow = 0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else \
-            max(walls[-1].transient - walls[-2].transient, 0)
-        excess = lambda n: last.excess + grow + last.per_block * (n - last.layers)  # noqa: E731
-    else:
-        excess, limit = (lambda n: 0), limit / 2  # noqa: E731
-    need = lambda n: formula(n) + excess(n)  # noqa: E731  (grows with n: bisect)
-    fitting = bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need)  # 0, 1... that fit
-    return max(fitting - 1, 1)
+    if not (fitted or walls):  # no trial yet: one that measured no excess, on half the limit
+        fitted, limit = [Fit(0, 0, 0, 0)], limit / 2
+    # excess: what the last trial held beyond the formula, at its blocks, and (from a stage
+    # before) the growth guessed for this stage
+    last = max(fitted) if fitted else walls[-1]
+    excess = last.excess + (0 if fitted else walls[-1].excess / 2 if len(walls) == 1 else
+                            max(walls[-1].transient - walls[-2].transient, 0))
+    need = lambda n: formula(n) + excess + last.per_block * (n - last.layers)  # noqa: E731
+    # need grows with n: bisect_right says how many of 0, 1, 2... blocks fit; the last of them,
+    # 1 at the least
+    return max(bisect.bisect_right(range(MAX_LAYERS + 1), limit, key=need) - 1, 1)
 
 
 def _trial(args, stage, layers):
     """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
     Returns what rank 0 measured, or the first error a rank reported."""
-    argv = ["--stage", str(stage), "--n-layer", str(layers), "--steps", "2"] + \
-        ["--bf16"] * args.bf16
+    argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16
     for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
                  "backend", "device", "data", "shard_size"):  # the rest as given, or by default
-        value = getattr(args, name)
-        if value is not None and (stage or name != "shard_size"):  # (stage 0 shards nothing)
-            argv += ["--" + name.replace("_", "-"), str(value)]
+        # (stage 0 shards nothing: no --shard-size)
+        if getattr(args, name) is not None and (stage or name != "shard_size"):
+            argv.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
-        port = s.getsockname()[1]
+        port = str(s.getsockname()[1])
     ctx = get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
-    procs = [ctx.Process(target=_trial_rank, args=(r, args.world_size, port, argv, send))
+    procs = [ctx.Process(target=_trial_rank, args=(str(r), str(args.world_size), port, argv, send))
              for r, (_, send) in enumerate(pipes)]
     for p in procs:
         p.start()
@@ -404,11 +389,10 @@ def _trial(args, stage, layers):
         for p in procs:
             p.kill()
             p.join()
-    failed = [results[r] for r in sorted(results) if not results[r]["ok"]]
-    if not failed and len(results) < args.world_size:
-        failed = [{"ok": False, "error": "no answer before the deadline"}]
-    oom = [res for res in failed
-           if any(m in res["error"] for m in ("out of memory", "MemoryError"))]
+    # the ranks' reports of failure; where none failed but a rank never answered, that one
+    failed = [results[r] for r in sorted(results) if not results[r]["ok"]] or [
+        {"ok": False, "error": "no answer before the deadline"}] * (len(results) < args.world_size)
+    oom = [f for f in failed if "out of memory" in f["error"] or "MemoryError" in f["error"]]
     if failed and not oom:
         raise UsageError(f"--largest-model: a trial failed for another reason than memory "
                          f"(stage {stage}, {layers} blocks): {failed[0]['error']}")
@@ -426,20 +410,19 @@ def _collect(pipes, procs, deadline):
             try:
                 results[r] = recv.recv()
             except EOFError:
-                results[r] = {"ok": False, "error": f"rank {r} died (exit code "
-                                                    f"{procs[r].exitcode})"}
+                results[r] = {"ok": False, "error": f"rank {r} died: exit code {procs[r].exitcode}"}
             over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
     return results
 
 
 def _trial_rank(rank, world, port, argv, send):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
+    # (rank, world, port: strings, as the environment holds them)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, LOCAL_RANK=rank,
+                      WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # the trials are quiet: what they measure comes back through `send`
-    os.dup2(devnull, 2)
+    # the trials are quiet: what they measure comes back through `send`
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(1, 2)  # (stderr to the same)
     try:
         res = train(check_args(training_parser("").parse_args(argv)), quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
@@ -461,16 +444,14 @@ def print_memory_wall(args, rows):
           + (f" (G = {G})" if G < N else "") + f";\nblocks of d_model {args.d_model}, "
           f"{args.n_head} heads, {args.batch_size} row(s) x {args.seq_len} bytes per rank, "
           + ("bf16 + fp32 AdamW" if args.bf16 else "fp32 AdamW") + "\n")
-    print(f"{'stage':<6}{'blocks':>6} {'Ψ trained':>12} {'formula':>9} {'measured':>9} "
-          f"{'rest':>8} | {'blocks':>6} {'Ψ refused':>12} {'formula':>9}")
+    print("stage blocks    Ψ trained   formula  measured     rest | blocks    Ψ refused   formula")
 
     def columns(stage, res):  # a trial's blocks, Ψ and formula
         return f"{res['layers']:>6} {res['psi']:>12,} {_si(_formula(args, stage, res['psi'])):>8}B"
     for stage, ok, no in rows:
         left = f"{columns(stage, ok)} {_si(ok['state']):>8}B {_si(ok['rest']):>7}B" if ok else \
             f"{'none':>6} {'':>12} {'':>9} {'':>9} {'':>8}"
-        right = columns(stage, no) if no else f"{'-':>6}"
-        print(f"{stage:<6}{left} | {right}")
+        print(f"{stage:<6}{left} | " + (columns(stage, no) if no else "     -"))
     best = {stage: ok for stage, ok, _ in rows if ok}
     runtime = [b["runtime"] for b in best.values() if b["runtime"]]
     print("\nformula: the model state by the ZeRO paper's formula (arXiv:1910.02054, Figure 1);\n"
@@ -527,15 +508,16 @@ def stop_timeline(zero):
 
 
 # What one run's picture needs: the events of its recorded step (a Timeline), and of each kind
-# the formula's bytes per rank and its symbol (12Ψ/N). groups: ", G = 2" under hybrid sharding.
-Panel = namedtuple("Panel", "stage step world psi groups dtype events formula symbols")
+# the formula's bytes per rank and its symbol (12Ψ/N). groups: ", G = 2" under hybrid sharding;
+# name: the stage's short name ("data parallel", "ZeRO-2").
+Panel = namedtuple("Panel", "stage name step world psi groups dtype events formula symbols")
 
 
 def timeline_panel(res, args):
     """One run's Panel, from what train() returned (res) and its args."""
     s, N, G = res["stage"], res["world"], args.shard_size or res["world"]
-    return Panel(stage=s, step=args.steps, world=N, psi=res["psi"],
-                 groups=f", G = {G}" if G < N else "", events=res["timeline"],
+    return Panel(stage=s, name=STAGE_NAMES[s].split(":")[0], step=args.steps, world=N,
+                 psi=res["psi"], groups=f", G = {G}" if G < N else "", events=res["timeline"],
                  dtype="bf16 mixed precision" if args.bf16 else "fp32",
                  formula=memory_formula(s, res["psi"], N, *bytes_per_parameter(args), G),
                  # (hybrid: the symbols say 1/G)
@@ -547,7 +529,7 @@ def _total(e):
 
 
 def _edges(e):  # where each kind's band starts and ends, stacked: 0, optimizer, + params, + grads
-    return [0, *accumulate(e[k] for k in STACK)]
+    return [0, *itertools.accumulate(e[k] for k in STACK)]
 
 
 def _peak(events):  # the first event after which the most is held
@@ -567,7 +549,7 @@ def timeline_text(panels, width=100):
     for p in panels:
         ev, formula, peak = p.events, sum(p.formula.values()), _peak(p.events)
         c = max(col(formula), 1)  # the formula's total: a | in (or after) each bar
-        out += [f"stage {p.stage}, {STAGE_NAMES[p.stage].split(':')[0]}: model-state bytes "
+        out += [f"stage {p.stage}, {p.name}: model-state bytes "
                 f"of rank 0 after each event of step {p.step} (N = {p.world}{p.groups})",
                 f"  bar: {' '.join(CHARS[k] + ' ' + k for k in STACK)}, 1 column = "
                 f"{_si(top / bar)}B, | the formula's total ({_si(formula)}B)",
@@ -614,8 +596,7 @@ def timeline_svg(panels):
     keys += [("black", "━━", "torch.cuda.memory_allocated (activations included)")] * cuda
     # the legend: one line of text, a coloured mark before each key, em spaces between (SVG
     # collapses plain spaces)
-    legend = "\u2003".join(f'<tspan fill="{color}">{mark}</tspan> {text}'
-                           for color, mark, text in keys)
+    legend = "\u2003".join(_tag("tspan", mark, fill=color) + f" {key}" for color, mark, key in keys)
     svg = [_tag("text", title, x=L, y=20, font_size=14), _tag("text", legend, x=L, y=48)]
     for b in range(0, int(top) + 1, tick):  # the byte axis, shared by every panel
         svg += [_tag("line", x1=L, x2=right - GAP, y1=T + y(b), y2=T + y(b), stroke="#ddd"),
@@ -623,37 +604,32 @@ def timeline_svg(panels):
     for i, p in enumerate(panels):
         ev, dx, edges = p.events, W / len(p.events), [_edges(e) for e in p.events]
         svg.append(f'<g transform="translate({L + i * (W + GAP)},{T})">')
-        for b, kind in enumerate(STACK):  # a band: along its top edge, back along its bottom edge
+        for b, k in enumerate(STACK):  # a band of kind k: along its top edge, back along its bottom
             outline = [(j + h, edges[j][b + 1]) for j in range(len(ev)) for h in (0, 1)]
             outline += [(j + h, edges[j][b]) for j in reversed(range(len(ev))) for h in (1, 0)]
-            d = " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline)
-            svg.append(_tag("path", class_=f"band {kind}", data_stage=p.stage, fill=COLORS[kind],
-                            d=f"M{d} Z"))
-        # the formula's levels, labelled right, left, right: apart where two lines are close
-        for kind, level in zip(STACK, accumulate(p.formula[k] for k in STACK)):
-            at = dict(x=2) if kind == "params" else dict(x=W - 2, text_anchor="end")
-            svg += [_tag("line", class_=f"formula {kind}", x2=W, y1=y(level), y2=y(level),
-                         stroke="black", stroke_dasharray="4 2"),
-                    _tag("text", f"{kind} {p.symbols[kind]}", y=y(level) - 3, **at)]
-        if cuda:
-            line = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}"
-                            for j, e in enumerate(ev))
-            svg.append(_tag("polyline", class_="cuda", points=line, fill="none", stroke="black",
-                            stroke_width=2))
+            d = "M" + " L".join(f"{a * dx:.1f},{y(v):.1f}" for a, v in outline) + " Z"
+            svg.append(_tag("path", class_=f"band {k}", data_stage=p.stage, fill=COLORS[k], d=d))
+        # the formula's levels (its edges, stacked as the bands are) of kind k at height h,
+        # labelled right, left, right: apart where two lines are close
+        for k, h in zip(STACK, map(y, _edges(p.formula)[1:])):
+            at = dict(x=2) if k == "params" else dict(x=W - 2, text_anchor="end")
+            svg += [_tag("line", class_=f"formula {k}", x2=W, y1=h, y2=h, stroke_dasharray="4 2",
+                         stroke="black"), _tag("text", f"{k} {p.symbols[k]}", y=h - 3, **at)]
+        xy = " ".join(f"{(j + .5) * dx:.1f},{y(e['cuda'] or 0):.1f}" for j, e in enumerate(ev))
+        svg += [_tag("polyline", class_="cuda", points=xy, fill="none", stroke="black",
+                     stroke_width=2)] * cuda  # (on CUDA only)
         for j, e in enumerate(ev):  # the event under the pointer
-            event = (f"{j + 1}. {escape(e['event'])}: params {e['params']:,}, grads "
-                     f"{e['grads']:,}, optimizer {e['optimizer']:,}")
-            svg.append(_tag("rect", _tag("title", event), x=j * dx, width=dx, height=H,
-                            fill="transparent"))
+            sizes = ", ".join(f"{k} {e[k]:,}" for k in ("params", "grads", "optimizer"))
+            hover = _tag("title", f"{j + 1}. {html.escape(e['event'])}: {sizes}")
+            svg.append(_tag("rect", hover, x=j * dx, width=dx, height=H, fill="transparent"))
         j = _peak(ev)
-        peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {escape(ev[j]['event'])}"
+        peak = f"peak {_si(_total(ev[j]))}B at event {j + 1}: {html.escape(ev[j]['event'])}"
         svg += [_tag("circle", class_="peak", cx=(j + .5) * dx, cy=y(_total(ev[j])), r=4,
                      fill="red"), _tag("text", peak, y=H + 30)]
         for j in [j for j, e in enumerate(ev) if e["event"] == "optimizer step"]:
             svg += [_tag("line", x1=j * dx, x2=j * dx, y2=H, stroke="#444", stroke_dasharray="1 3"),
                     _tag("text", "step", x=j * dx - 3, y=H - 4, text_anchor="end")]
-        svg += [_tag("text", f"stage {p.stage}: {STAGE_NAMES[p.stage].split(':')[0]}", y=-8,
-                     font_size=13),
+        svg += [_tag("text", f"stage {p.stage}: {p.name}", y=-8, font_size=13),
                 _tag("text", f"{len(ev)} events of step {p.step}, in order", y=H + 15),
                 _tag("rect", width=W, height=H, fill="none", stroke="#999"), "</g>"]
     width = max(right, L + 8 * len(title), L + sum(30 + 7 * len(text) for _, _, text in keys))
@@ -691,13 +667,11 @@ def check_timeline_args(args):
     if args.timeline and args.timeline_all:
         raise UsageError("--timeline and --timeline-all: choose one")
     if args.estimate or args.consolidate:
-        raise UsageError("--timeline and --timeline-all draw a training run: not with "
-                         "--estimate or --consolidate")
+        raise UsageError("--timeline[-all] draws training: not with --estimate or --consolidate")
     if args.steps < 2:
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
     if args.timeline_all and (args.ckpt_dir or args.resume_from):
-        raise UsageError("--timeline-all trains every stage from the start: not with --ckpt-dir, "
-                         "--resume-from")
+        raise UsageError("--timeline-all trains from scratch: not with --ckpt-dir, --resume-from")
     folder = os.path.dirname(path) or "."
     from checkpoints import writable  # (the files: checkpoints.py's)
     if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):

@@ -44,22 +44,20 @@ def materialize(zero, init):
     model.apply(modules.append)  # nn.Module.apply's own order: children first, then their parent
     owner = {p: u for u in zero.units for p in u.params}
     # last: the unit -> the last module holding one of its parameters or its own module (the
-    # root unit's: the model), whose init may set its children's
-    last = {}
-    for k, m in enumerate(modules):
-        held = [owner[p] for p in m.parameters(recurse=False) if p in owner]
-        for u in held + [u for u in zero.units if m in (u.modules or [model])]:
-            last[u] = k  # (k grows: the last one stays)
-    released = []
+    # root unit's: the model), whose init may set its children's (k grows: the last one stays)
+    last = {u: k for k, m in enumerate(modules)
+            for u in [owner[p] for p in m.parameters(recurse=False) if p in owner]
+            + [u for u in zero.units if m in (u.modules or [model])]}
     was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
-    made, fresh = {}, []  # made: meta buffer -> its tensor (buffers may be shared)
+    # made: meta buffer -> its tensor (buffers may be shared); released: the storages of the
+    # units handed out
+    made, fresh, released = {}, [], []
     for k, m in enumerate(modules):
         own_meta = [t for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
                     if t.is_meta or id(t) in was_meta]
         if init is None and own_meta and not hasattr(m, "reset_parameters"):
             raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
-                             "device and no reset_parameters(): pass wrap(init=...) to "
-                             "initialize it")
+                             "device and no reset_parameters(): initialize it by wrap(init=...)")
         for p in m.parameters(recurse=False):
             if p in owner and owner[p].flat.is_meta:
                 _materialize_unit(zero, owner[p])
@@ -99,9 +97,8 @@ def build_device(device):
     """Where a model built on the meta device is built: `device` (wrap(device=...)), by default
     this rank's GPU under NCCL, else the CPU."""
     device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    # "cuda" without an index: this rank's current GPU
+    return torch.device("cuda", torch.cuda.current_device()) if str(device) == "cuda" else device
 
 
 class _NoWritesOutside(torch.overrides.TorchFunctionMode):
@@ -118,14 +115,12 @@ class _NoWritesOutside(torch.overrides.TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.startswith("_")) or "out" in kwargs:
             for t in [args[0] if args else kwargs.get("tensor"), kwargs.get("out")]:
-                if torch.is_tensor(t) and t.numel() and (
-                        t.is_meta or any(t.untyped_storage()._cdata == s._cdata
-                                         for s in self.released)):
-                    raise ValueError(
-                        f"zero: init({self.module_name}) writes to a tensor of a unit that is "
-                        f"{'not allocated yet' if t.is_meta else 'built already'} ({name}): "
-                        "init(module) may set the tensors of the module and its submodules, "
-                        "within one unit")
+                if torch.is_tensor(t) and t.numel() and (t.is_meta or any(
+                        t.untyped_storage()._cdata == s._cdata for s in self.released)):
+                    when = "not allocated yet" if t.is_meta else "built already"
+                    raise ValueError(f"zero: init({self.module_name}) writes to a tensor of a unit "
+                                     f"that is {when} ({name}): init(module) may set the tensors "
+                                     "of the module and its submodules, within one unit")
         return func(*args, **kwargs)
 
 

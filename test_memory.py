@@ -136,7 +136,7 @@ def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
              (["--timeline-all", str(tmp_path / "t.svg"), "--ckpt-dir", str(tmp_path)],
               "--ckpt-dir"),
              (["--timeline-all", str(tmp_path / "t.svg"), "--resume-from", str(tmp_path)],
-              "from the start: not with --ckpt-dir, --resume-from"),
+              "from scratch: not with --ckpt-dir, --resume-from"),
              (["--timeline", "t.svg", "--estimate", "--params", "1e9", "--world-size", "8"],
               "--estimate")]
     for args, message in cases:  # refused before any process group or training

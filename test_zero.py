@@ -2217,7 +2217,7 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--timeline", str(tmp_path / "t.txt")], "name it FILE.svg"),
              # what this machine cannot hold, refused before it is built (not killed later)
              (["--n-layer", "10000000"], "this model needs at least"),
-             (["--batch-size", "100000000"], "its model state by stage 3's formula")]
+             (["--batch-size", "100000000"], "(stage 3's formula, ")]
     for args, message in cases:
         with pytest.raises((zero.UsageError, ValueError)) as e:  # (ValueError: wrap's checks)
             zero.main([*TINY, *args])
