@@ -107,9 +107,8 @@ def load_own_part(zero, state):
     with _agreed(zero.device):  # one rank's refusal is every rank's: none waits
         if not isinstance(state, dict) or state.get("rank") != q or state.get("layout") != \
                 layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
-            raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
-                                  "this model and optimizer at this stage and world size; for any "
-                                  "other, use save_checkpoint() and load_checkpoint()")
+            raise CheckpointError("load_state_dict() takes this rank's state_dict() of this model "
+                                  "and optimizer at this stage and N; else use load_checkpoint()")
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
     # all-gathered from each one's own; None for the parts of the others.
@@ -171,8 +170,8 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     with torch.no_grad():
         for u in zero.units:
             lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
-            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master[:0]).dtype)
-                      for k in ["master", *keys]}  # padding 0
+            # the masters and each state, in the masters' precision, on the CPU; padding 0
+            values = {k: _wide(torch.zeros_like(u.master, device="cpu")) for k in ["master", *keys]}
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                 if a < b:  # p has elements in this rank's range: fetch them by p's name
@@ -233,9 +232,8 @@ def another_model(here, there, kind="tensor"):
 def another_optimizer(written, optimizer):
     """Raise CheckpointError unless `written`, the optimizer's class name that a checkpoint
     records, is optimizer's."""
-    if written != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {written}, this run has "
-                              f"{type(optimizer).__name__}")
+    if written != (mine := type(optimizer).__name__):
+        raise CheckpointError(f"checkpoint written with optimizer {written}, this run has {mine}")
 
 
 def one_group_each(hyper, optimizer):
@@ -302,8 +300,7 @@ def load_full_state_dict(zero, state):
     their values must be equal: each rank compares its own elements)."""
     problem, key_of, twin = fit_problem(zero.model, state)
     if problem:
-        raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
-                         f"{problem}")
+        raise ValueError(f"zero: load_full_state_dict: does not fit the model: {problem}")
 
     def own(u, key):  # this rank's shard of the unit, the parameters end to end (by key(p)): of
         # each (a view of the mapped file's tensor) just the elements in it are read
@@ -455,9 +452,8 @@ def _steps(root):
         names = os.listdir(root) if os.path.isdir(root) else []
     except OSError as e:
         raise CheckpointError(f"{root}: cannot be listed ({e.strerror})") from None
-    return {_step_of(name): os.path.join(root, name) for name in names
-            if _step_of(name) is not None and any(os.path.exists(os.path.join(root, name, marker))
-                                                  for marker in ("manifest.json", DCP_MARKER))}
+    return {s: os.path.join(root, name) for name in names if (s := _step_of(name)) is not None and
+            any(os.path.exists(os.path.join(root, name, m)) for m in ("manifest.json", DCP_MARKER))}
 
 
 def latest_checkpoint(root):
@@ -588,15 +584,13 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     # Refused on every rank alike (rank 0 failing alone at its manifest leaves the others waiting)
     for name, value in (("step", step), ("keep", keep)):
         if not _count(value):
-            raise ValueError(f"zero: save_checkpoint's {name} must be an int, 0 or more, not "
-                             f"{value!r}")
+            raise ValueError(f"zero: save_checkpoint's {name} must be an int >= 0, not {value!r}")
     try:  # (rank 0 writes it into the manifest, where a load reads a dict)
         if not isinstance(extra or {}, dict):
             raise TypeError(f"a {type(extra).__name__}")
         json.dumps(extra or {})
     except (TypeError, ValueError) as e:
-        raise ValueError(f"zero: save_checkpoint's extra must be a dict that JSON can hold: {e}") \
-            from None
+        raise ValueError(f"zero: save_checkpoint's extra must be a JSON dict: {e}") from None
     path, tmp = _partial(root, step, opt.device)
     # the part this rank writes: its rank, if G = N
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
@@ -635,8 +629,7 @@ def _all_there(tmp, sizes, step):
         file = os.path.join(tmp, name)
         if not os.path.isfile(file) or os.path.getsize(file) < size:
             raise CheckpointError(f"step {step} not saved: {file}, which another rank wrote, is "
-                                  "not there for rank 0: --ckpt-dir must be one directory that "
-                                  "every rank reaches (a shared file system), not one on each node")
+                                  "not there for rank 0: --ckpt-dir must be shared by every rank")
 
 
 def _partial(root, step, device):
@@ -705,8 +698,7 @@ def _part_problem(part, r, manifest):
     if not isinstance(part, dict):
         return "not a checkpoint part"
     if part.get("rank") != r:
-        return (f"holds the part of rank {part.get('rank')!r}, not of rank {r} "
-                "(files swapped or renamed?)")
+        return f"holds the part of rank {part.get('rank')!r}, not of rank {r} (swapped or renamed?)"
     if not isinstance(units := part.get("units"), list) or len(units) != len(manifest["units"]):
         return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
     for i, (unit, params) in enumerate(zip(units, manifest["units"])):
@@ -757,8 +749,7 @@ _LAYOUT_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, R
 
 
 def _not_laid_out(path, e):
-    return f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: " \
-           f"{_reason(e)})"
+    return f"{path}: not laid out as zero.py writes checkpoints ({type(e).__name__}: {_reason(e)})"
 
 
 def read_checkpoint(path, verify=None):
@@ -768,8 +759,7 @@ def read_checkpoint(path, verify=None):
     read from disk only where they are used. No process group needed. Anything wrong, in the
     manifest or in a part, is a CheckpointError that says what."""
     if path is None:
-        raise CheckpointError("no checkpoint path was given (None: latest_checkpoint() returns "
-                              "None where there is no complete checkpoint)")
+        raise CheckpointError("no checkpoint path was given (None: no complete checkpoint found?)")
     manifest = _read_json(os.path.join(path, "manifest.json"), "missing: no manifest.json, not a "
                           "complete checkpoint", FORMAT, _manifest_problem)
     n, parts = manifest["world_size"], []
@@ -823,8 +813,7 @@ def _one_checkpoint(path, device):
     for r, row in enumerate(_all_ranks(list(mine), device)):
         if bytes(row) != mine:
             raise CheckpointError(f"{path}: rank {r} reads another checkpoint there than this "
-                                  "rank (a copy on each node's own disk, not the same?): every "
-                                  "rank must load the same one")
+                                  "rank (each node's own copy?): every rank must load the same one")
 
 
 def checkpoint_tensors(manifest, parts, key="master"):
@@ -932,8 +921,7 @@ def checkpoint_path(path):
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     if (found := latest_checkpoint(path)) is None:
-        raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
-                              "DCP's .metadata), and no complete checkpoint in it")
+        raise CheckpointError(f"{path}: not a checkpoint, and no complete checkpoint in it")
     return found
 
 
@@ -996,8 +984,7 @@ def check_dcp(model, optimizer, info, tensors, path):
     keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
                 if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
     if not info.get("optimizer") or not any(keys.values()):
-        raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
-                              "needs it; start from weights with --init-from")
+        raise CheckpointError(f"{path}: holds no optimizer state to resume: use --init-from")
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
                          if k.startswith("model.")})
@@ -1067,8 +1054,7 @@ def consolidate_command(args):
             "checkpoint directory (or a --ckpt-dir, its newest)")
     path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
     if is_dcp(path):
-        raise CheckpointError(f"{path}: a DCP checkpoint, not one of zero.py's (no manifest.json): "
-                              "DCP's is read by dcp_to_torch_save")
+        raise CheckpointError(f"{path}: a DCP checkpoint, not zero.py's: use dcp_to_torch_save")
     if os.path.realpath(name).startswith(os.path.join(os.path.realpath(args.consolidate), "")):
         raise UsageError(f"--out {out}: inside the checkpoints it reads, {args.consolidate}")
     m = consolidate(path, out, kind)
@@ -1137,11 +1123,10 @@ def read_state_dict(path, device=None):
             state = read_state_dict(path)
         same_on_every_rank({f"--init-from {path} (bytes, sampled sha256)": _sampled(path)}, device)
         return state
-    if os.path.isdir(path):
-        raise UsageError(f"--init-from {path}: a directory; it takes a .pt or .safetensors file "
-                         "(dcp_to_torch_save makes a .pt of a DCP directory)")
     if os.path.exists(path) and not os.path.isfile(path):  # (a FIFO: reading could wait for ever)
-        raise UsageError(f"--init-from {path}: not a regular file")
+        raise UsageError(f"--init-from {path}: " + ("a directory; it takes a .pt or .safetensors "
+                         "file (dcp_to_torch_save makes a .pt of a DCP directory)" if
+                         os.path.isdir(path) else "not a regular file"))
     try:  # (torch.load reads safetensors files too, but only from torch 2.12)
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -1154,8 +1139,7 @@ def read_state_dict(path, device=None):
             not zipfile.is_zipfile(path)  # (torch 1.5's torch.save, or not torch's at all)
         why = "not the zip file torch.save writes; a legacy-format one: torch.load it and save " \
             "it again" if old else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        raise UsageError(f"--init-from {path}: not a state_dict file that can be read ({why})") \
-            from None
+        raise UsageError(f"--init-from {path}: not a readable state_dict file ({why})") from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
     return state
