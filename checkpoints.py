@@ -23,6 +23,7 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
+from torch.utils._pytree import tree_map
 
 from zero import (UsageError, _all_ranks, all_gather, keep_writes, layout, replicated,
                   same_on_every_rank, split_pieces)
@@ -121,12 +122,9 @@ def load_own_part(zero, state):
         every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=zero.device)
         all_gather(every, t.to(zero.device), group=zero.replica_group)  # (stage 0: None, all ranks)
         return every.cpu().view(len(ranks), -1)
-    units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
-             for u in state["units"]]
+    units = tree_map(gather, state["units"])  # each tensor of each unit: master, each state
     for j, r in enumerate(ranks):  # (what _reader reads of a part: its units)
-        parts[part_index(r, zero.world, zero.N)] = {"units": [
-            {"master": u["master"][j], "state": {k: t[j] for k, t in u["state"].items()}}
-            for u in units]}
+        parts[part_index(r, zero.world, zero.N)] = {"units": tree_map(lambda t: t[j], units)}
     # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
     # parameters and buffers: rank 0's own (None elsewhere), then broadcast
     load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
@@ -239,8 +237,7 @@ def another_optimizer(written, optimizer):
 def one_group_each(hyper, optimizer):
     """Raise CheckpointError unless `hyper`, a checkpoint's, holds the hyper-parameters of each
     of the optimizer's groups (a dict each): load_values would fail after loading the weights."""
-    if not (isinstance(hyper, list) and len(hyper) == len(optimizer.param_groups) and all(
-            isinstance(h, dict) for h in hyper)):
+    if type(hyper) is not list or list(map(type, hyper)) != [dict] * len(optimizer.param_groups):
         raise CheckpointError("the checkpoint's hyper-parameters are not a dictionary for each "
                               f"of the optimizer's {len(optimizer.param_groups)} group(s)")
 
@@ -545,8 +542,7 @@ def ckpt_dir_lock(root, device):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}; one job "
-                                     "per directory") from None
+                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}")
                 except OSError as e:
                     print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
                           "other job uses it", file=sys.stderr, flush=True)
@@ -665,9 +661,11 @@ def _manifest_problem(m):
     n, units, replicated, files = map(m.get, ("world_size", "units", "replicated", "files"))
     for key, ok, want in [("step", _count(m.get("step")), "a step number"),
                           ("stage", _count(m.get("stage")) and m["stage"] < 4, "0, 1, 2 or 3"),
-                          ("world_size", _count(n, 1), "a number of ranks")]:
+                          ("world_size", _count(n, 1), "a number of ranks"),
+                          ("files", isinstance(files, dict) and files, "a non-empty dictionary"),
+                          ("extra", isinstance(m.get("extra"), dict), "a dictionary")]:
         if not ok:
-            return f"{key!r} is {m.get(key)!r}, not {want}"
+            return f"{key!r} is {m.get(key)!r:.100}, not {want}"  # (a long value: its start)
     text = lambda x: isinstance(x, str)  # noqa: E731
     if not (isinstance(units, list) and all(isinstance(u, list) and all(
             _pair(p, text, _is_shape) for p in u) for u in units)):
@@ -680,8 +678,6 @@ def _manifest_problem(m):
     if not (isinstance(m.get("keys"), list) and all(
             _pair(k, text, lambda x: text(x) and x in names) for k in m["keys"])):
         return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
-    if not isinstance(files, dict) or not files:
-        return "'files' is missing or empty"
     if set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:  # (a dict's keys: each once)
         return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
                 f"not {', '.join(map(repr, sorted(files)))[:200]}")
@@ -689,8 +685,6 @@ def _manifest_problem(m):
     for file, entry in files.items():
         if not _pair(entry, _count, sha256):
             return f"'files' entry {file}: not [size, sha256 in hex]"
-    if not isinstance(m.get("extra"), dict):
-        return "'extra' is missing or not a dictionary"
 
 
 def _part_problem(part, r, manifest):
@@ -763,9 +757,9 @@ def read_checkpoint(path, verify=None):
     manifest = _read_json(os.path.join(path, "manifest.json"), "missing: no manifest.json, not a "
                           "complete checkpoint", FORMAT, _manifest_problem)
     n, parts = manifest["world_size"], []
-    for r in range(n):
-        file = os.path.join(path, f"rank_{r:05d}.pt")
-        size, digest = manifest["files"][os.path.basename(file)]
+    # (_manifest_problem checked that the files are rank_00000.pt ... : in rank order, sorted)
+    for r, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
+        file = os.path.join(path, name)
         found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
         try:
             if found != size:
@@ -1050,8 +1044,7 @@ def consolidate_command(args):
         raise UsageError(f"--out {out}: {problem}")
     if not os.path.isdir(args.consolidate):
         raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
-            args.consolidate) else "no such directory") + ": --consolidate takes a "
-            "checkpoint directory (or a --ckpt-dir, its newest)")
+            args.consolidate) else "no such directory") + ": --consolidate takes a directory")
     path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
     if is_dcp(path):
         raise CheckpointError(f"{path}: a DCP checkpoint, not zero.py's: use dcp_to_torch_save")
@@ -1077,17 +1070,16 @@ def resume(opt, args, world, device, log):
         return 1, None
     # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
     manifest = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))(found)
-    if manifest["extra"].get("n_head", args.n_head) != args.n_head:  # (no shape shows it)
-        raise UsageError(f"{found}: written with --n-head {manifest['extra']['n_head']}, not "
-                         f"{args.n_head}: the same weights would be another model")
+    # (no shape shows --n-head: the same weights with other heads would be another model)
+    if (heads := manifest["extra"].get("n_head", args.n_head)) != args.n_head:
+        raise UsageError(f"{found}: written with --n-head {heads}, not {args.n_head}")
     loaded_lr = opt.optimizer.param_groups[0]["lr"]
     for group in opt.optimizer.param_groups:
         group["lr"] = args.lr
+    N, G = manifest["world_size"], manifest.get("shard_size", 0)  # (G: DCP's, and old ones, none)
     log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
-        f"by {manifest['world_size']} rank(s)" +
-        (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
-        (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
-         not in (0, manifest["world_size"]) else "") +
+        f"by {N} rank(s)" + (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
+        (f" in groups of {G} (hybrid)" if G not in (0, N) else "") +
         (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
          if loaded_lr != args.lr else ""))
     position = data_position(args, world)
