@@ -23,7 +23,7 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_map, tree_map_only
 
 from zero import (UsageError, _all_ranks, all_gather, keep_writes, layout, replicated,
                   same_on_every_rank, split_pieces)
@@ -183,14 +183,14 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
             for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
                 p = owners[0]  # (the parameters of a piece have the same scalars)
                 if names[p] in scalars:  # the optimizer has state for p (it was stepped)
-                    state[piece] = {**dict(zip(values, chunk)),
-                                    **{k: v.clone() if torch.is_tensor(v) else v
-                                       for k, v in scalars[names[p]].items()}}
+                    state[piece] = dict(zip(values, chunk)) | tree_map_only(
+                        torch.Tensor, torch.clone, scalars[names[p]])  # the scalars: copies
         if frozen is not None:
             for n, t in replicated(zero.model):
                 t.copy_(frozen[n])
+    # (the pieces now: split_pieces may have cut some)
     index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
-    groups = [{**h, "params": g["params"]}
+    groups = [{**h, "params": g["params"]}  # the checkpoint's hyper-parameters, this one's params
               for h, g in zip(hyper, zero.optimizer.state_dict()["param_groups"])]
     zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
                                     "param_groups": groups})
@@ -1033,8 +1033,7 @@ def consolidate_command(args):
     where = os.path.dirname(name) or "."
     problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
                "is a directory" if os.path.isdir(out) and kind != "dcp" else
-               "ends in /, a directory's name: a .pt or .safetensors is a file"
-               if name != out and kind != "dcp" else
+               "ends in /: a .pt or .safetensors is a file" if name != out and kind != "dcp" else
                "is a file" if os.path.isfile(name) and kind == "dcp" else
                "a directory that is neither empty nor a DCP checkpoint"
                if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
@@ -1082,10 +1081,9 @@ def resume(opt, args, world, device, log):
         (f" in groups of {G} (hybrid)" if G not in (0, N) else "") +
         (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
          if loaded_lr != args.lr else ""))
-    position = data_position(args, world)
-    if manifest["extra"].get("data") != position:
-        log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}"
-            f", now {position}): training goes on, on other batches")
+    if (data := manifest["extra"].get("data")) != (position := data_position(args, world)):
+        log(f"note: the data stream differs from the checkpoint's ({data}, now {position}): "
+            "training goes on, on other batches")
     return manifest["step"] + 1, found
 
 
@@ -1099,10 +1097,10 @@ def save(opt, args, step, world):
 
 def data_position(args, world):
     """What decides which rows step k trains on; equal in a resumed run means the same batches."""
+    # (a data file by its name, size and sampled hash: another file of the same name differs)
     return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
-            "grad_accum": args.grad_accum,
-            "data": "corpus" if not args.data else "{} ({:,} bytes, sampled sha256 {})".format(
-                os.path.basename(args.data), *_sampled(args.data))}  # (a file of the same name)
+            "grad_accum": args.grad_accum, "data": "{} ({:,} bytes, sampled sha256 {})".format(
+                os.path.basename(args.data), *_sampled(args.data)) if args.data else "corpus"}
 
 
 def read_state_dict(path, device=None):
@@ -1116,9 +1114,9 @@ def read_state_dict(path, device=None):
         same_on_every_rank({f"--init-from {path} (bytes, sampled sha256)": _sampled(path)}, device)
         return state
     if os.path.exists(path) and not os.path.isfile(path):  # (a FIFO: reading could wait for ever)
-        raise UsageError(f"--init-from {path}: " + ("a directory; it takes a .pt or .safetensors "
-                         "file (dcp_to_torch_save makes a .pt of a DCP directory)" if
-                         os.path.isdir(path) else "not a regular file"))
+        raise UsageError(f"--init-from {path}: " + (
+            "a directory; it takes a .pt or .safetensors file (dcp_to_torch_save makes a .pt of a "
+            "DCP directory)" if os.path.isdir(path) else "not a regular file"))
     try:  # (torch.load reads safetensors files too, but only from torch 2.12)
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
