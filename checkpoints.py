@@ -951,10 +951,9 @@ def read_dcp(path):
         raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
                               f"({type(e).__name__}: {_reason(e)})") from None
     for name, end in sorted(_dcp_ends(metadata).items()):
-        size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
-        if size < end:
-            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
-                                  f"{end}: truncated, the checkpoint is torn")
+        file = os.path.join(path, name)
+        if (size := _regular_size(file, "missing: the DCP checkpoint is torn")) < end:
+            raise CheckpointError(f"{file}: {size} bytes, DCP's index needs {end}: truncated")
     return info, {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
                   for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
