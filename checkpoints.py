@@ -22,6 +22,7 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 
 import torch
 import torch.distributed as dist
+import safetensors.torch
 from safetensors import SafetensorError
 from torch.utils._pytree import tree_map, tree_map_only
 
@@ -851,11 +852,9 @@ def consolidate(path, out, kind):
         raise CheckpointError(_not_laid_out(path, e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
     try:
-        if kind == "pt":
-            _atomic_write(out, lambda f: torch.save(state, f))
-        elif kind == "safetensors":
-            from safetensors.torch import save_file
-            _atomic_write(out, lambda f: save_file(state, f.name))
+        if kind != "dcp":  # (safetensors' save_file takes the name of the file it writes)
+            _atomic_write(out, lambda f: torch.save(state, f) if kind == "pt" else
+                          safetensors.torch.save_file(state, f.name))
         else:
             import torch.distributed.checkpoint as dcp
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1116,12 +1115,9 @@ def read_state_dict(path, device=None):
         raise UsageError(f"--init-from {path}: " + (
             "a directory; it takes a .pt or .safetensors file (dcp_to_torch_save makes a .pt of a "
             "DCP directory)" if os.path.isdir(path) else "not a regular file"))
-    try:  # (torch.load reads safetensors files too, but only from torch 2.12)
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            state = load_file(path)  # memory-mapped as well
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # (torch.load reads safetensors files too, but only from torch 2.12; both memory-map)
+        state = (safetensors.torch.load_file(path) if path.endswith(".safetensors") else
+                 torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     except Exception as e:  # a missing file, or one that is not a state_dict file of tensors
         # (the loader's message, its lines as one; torch's for a file not a zip: mmap's)
         old = os.path.isfile(path) and not path.endswith(".safetensors") and \
