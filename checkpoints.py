@@ -1073,7 +1073,7 @@ def resume(opt, args, world, device, log):
     loaded_lr = opt.optimizer.param_groups[0]["lr"]
     for group in opt.optimizer.param_groups:
         group["lr"] = args.lr
-    N, G = manifest["world_size"], manifest.get("shard_size", 0)  # (G: DCP's, and old ones, none)
+    N, G = manifest["world_size"], manifest.get("shard_size", 0)  # (G 0: none recorded)
     log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
         f"by {N} rank(s)" + (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
         (f" in groups of {G} (hybrid)" if G not in (0, N) else "") +
