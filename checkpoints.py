@@ -203,8 +203,7 @@ def check_checkpoint(zero, parts, written):
     """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
     checked by read_checkpoint) fits this model and optimizer."""
     mine = layout(zero)
-    another_model(*({n: s for unit in lay["units"] for n, s in unit} for lay in (mine, written)),
-                  "parameter")
+    another_model(*(dict(itertools.chain(*lay["units"])) for lay in (mine, written)), "parameter")
     another_model(mine["replicated"], written["replicated"], "frozen parameter or buffer")
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
