@@ -22,7 +22,9 @@ import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shuti
 
 import torch
 import torch.distributed as dist
+import safetensors.torch
 from safetensors import SafetensorError
+from torch.utils._pytree import tree_map, tree_map_only
 
 from zero import (UsageError, _all_ranks, all_gather, keep_writes, layout, replicated,
                   same_on_every_rank, split_pieces)
@@ -107,9 +109,8 @@ def load_own_part(zero, state):
     with _agreed(zero.device):  # one rank's refusal is every rank's: none waits
         if not isinstance(state, dict) or state.get("rank") != q or state.get("layout") != \
                 layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
-            raise CheckpointError("load_state_dict() takes the state_dict() of this rank, of "
-                                  "this model and optimizer at this stage and world size; for any "
-                                  "other, use save_checkpoint() and load_checkpoint()")
+            raise CheckpointError("load_state_dict() takes this rank's state_dict() of this model "
+                                  "and optimizer at this stage and N; else use load_checkpoint()")
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
     # all-gathered from each one's own; None for the parts of the others.
@@ -122,12 +123,9 @@ def load_own_part(zero, state):
         every = torch.empty(len(ranks) * t.numel(), dtype=t.dtype, device=zero.device)
         all_gather(every, t.to(zero.device), group=zero.replica_group)  # (stage 0: None, all ranks)
         return every.cpu().view(len(ranks), -1)
-    units = [{"master": gather(u["master"]), "state": {k: gather(t) for k, t in u["state"].items()}}
-             for u in state["units"]]
+    units = tree_map(gather, state["units"])  # each tensor of each unit: master, each state
     for j, r in enumerate(ranks):  # (what _reader reads of a part: its units)
-        parts[part_index(r, zero.world, zero.N)] = {"units": [
-            {"master": u["master"][j], "state": {k: t[j] for k, t in u["state"].items()}}
-            for u in units]}
+        parts[part_index(r, zero.world, zero.N)] = {"units": tree_map(lambda t: t[j], units)}
     # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
     # parameters and buffers: rank 0's own (None elsewhere), then broadcast
     load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
@@ -171,8 +169,8 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     with torch.no_grad():
         for u in zero.units:
             lo = u.stepped.start  # this rank's elements of the unit: [lo, lo + numel of master)
-            values = {k: torch.zeros(u.master.numel(), dtype=_wide(u.master[:0]).dtype)
-                      for k in ["master", *keys]}  # padding 0
+            # the masters and each state, in the masters' precision, on the CPU; padding 0
+            values = {k: _wide(torch.zeros_like(u.master, device="cpu")) for k in ["master", *keys]}
             for p in u.params:
                 a, b = max(u.offset[p], lo), min(u.offset[p] + p.numel(), lo + u.master.numel())
                 if a < b:  # p has elements in this rank's range: fetch them by p's name
@@ -186,14 +184,14 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
             for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
                 p = owners[0]  # (the parameters of a piece have the same scalars)
                 if names[p] in scalars:  # the optimizer has state for p (it was stepped)
-                    state[piece] = {**dict(zip(values, chunk)),
-                                    **{k: v.clone() if torch.is_tensor(v) else v
-                                       for k, v in scalars[names[p]].items()}}
+                    state[piece] = dict(zip(values, chunk)) | tree_map_only(
+                        torch.Tensor, torch.clone, scalars[names[p]])  # the scalars: copies
         if frozen is not None:
             for n, t in replicated(zero.model):
                 t.copy_(frozen[n])
+    # (the pieces now: split_pieces may have cut some)
     index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
-    groups = [{**h, "params": g["params"]}
+    groups = [{**h, "params": g["params"]}  # the checkpoint's hyper-parameters, this one's params
               for h, g in zip(hyper, zero.optimizer.state_dict()["param_groups"])]
     zero.optimizer.load_state_dict({"state": {index[p]: st for p, st in state.items()},
                                     "param_groups": groups})
@@ -205,8 +203,7 @@ def check_checkpoint(zero, parts, written):
     """Raise CheckpointError, naming the first problem, unless the checkpoint (parts read and
     checked by read_checkpoint) fits this model and optimizer."""
     mine = layout(zero)
-    another_model(*({n: s for unit in lay["units"] for n, s in unit} for lay in (mine, written)),
-                  "parameter")
+    another_model(*(dict(itertools.chain(*lay["units"])) for lay in (mine, written)), "parameter")
     another_model(mine["replicated"], written["replicated"], "frozen parameter or buffer")
     # Each part's rank, units and sizes were checked as it was read (read_checkpoint,
     # _part_problem); what is left is that every part holds the same optimizer states (or none:
@@ -233,16 +230,14 @@ def another_model(here, there, kind="tensor"):
 def another_optimizer(written, optimizer):
     """Raise CheckpointError unless `written`, the optimizer's class name that a checkpoint
     records, is optimizer's."""
-    if written != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint was written with optimizer {written}, this run has "
-                              f"{type(optimizer).__name__}")
+    if written != (mine := type(optimizer).__name__):
+        raise CheckpointError(f"checkpoint written with optimizer {written}, this run has {mine}")
 
 
 def one_group_each(hyper, optimizer):
     """Raise CheckpointError unless `hyper`, a checkpoint's, holds the hyper-parameters of each
     of the optimizer's groups (a dict each): load_values would fail after loading the weights."""
-    if not (isinstance(hyper, list) and len(hyper) == len(optimizer.param_groups) and all(
-            isinstance(h, dict) for h in hyper)):
+    if type(hyper) is not list or list(map(type, hyper)) != [dict] * len(optimizer.param_groups):
         raise CheckpointError("the checkpoint's hyper-parameters are not a dictionary for each "
                               f"of the optimizer's {len(optimizer.param_groups)} group(s)")
 
@@ -302,8 +297,7 @@ def load_full_state_dict(zero, state):
     their values must be equal: each rank compares its own elements)."""
     problem, key_of, twin = fit_problem(zero.model, state)
     if problem:
-        raise ValueError(f"zero: load_full_state_dict: the state_dict does not fit the model: "
-                         f"{problem}")
+        raise ValueError(f"zero: load_full_state_dict: does not fit the model: {problem}")
 
     def own(u, key):  # this rank's shard of the unit, the parameters end to end (by key(p)): of
         # each (a view of the mapped file's tensor) just the elements in it are read
@@ -455,9 +449,8 @@ def _steps(root):
         names = os.listdir(root) if os.path.isdir(root) else []
     except OSError as e:
         raise CheckpointError(f"{root}: cannot be listed ({e.strerror})") from None
-    return {_step_of(name): os.path.join(root, name) for name in names
-            if _step_of(name) is not None and any(os.path.exists(os.path.join(root, name, marker))
-                                                  for marker in ("manifest.json", DCP_MARKER))}
+    return {s: os.path.join(root, name) for name in names if (s := _step_of(name)) is not None and
+            any(os.path.exists(os.path.join(root, name, m)) for m in ("manifest.json", DCP_MARKER))}
 
 
 def latest_checkpoint(root):
@@ -549,8 +542,7 @@ def ckpt_dir_lock(root, device):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}; one job "
-                                     "per directory") from None
+                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}")
                 except OSError as e:
                     print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
                           "other job uses it", file=sys.stderr, flush=True)
@@ -588,15 +580,13 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     # Refused on every rank alike (rank 0 failing alone at its manifest leaves the others waiting)
     for name, value in (("step", step), ("keep", keep)):
         if not _count(value):
-            raise ValueError(f"zero: save_checkpoint's {name} must be an int, 0 or more, not "
-                             f"{value!r}")
+            raise ValueError(f"zero: save_checkpoint's {name} must be an int >= 0, not {value!r}")
     try:  # (rank 0 writes it into the manifest, where a load reads a dict)
         if not isinstance(extra or {}, dict):
             raise TypeError(f"a {type(extra).__name__}")
         json.dumps(extra or {})
     except (TypeError, ValueError) as e:
-        raise ValueError(f"zero: save_checkpoint's extra must be a dict that JSON can hold: {e}") \
-            from None
+        raise ValueError(f"zero: save_checkpoint's extra must be a JSON dict: {e}") from None
     path, tmp = _partial(root, step, opt.device)
     # the part this rank writes: its rank, if G = N
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
@@ -635,8 +625,7 @@ def _all_there(tmp, sizes, step):
         file = os.path.join(tmp, name)
         if not os.path.isfile(file) or os.path.getsize(file) < size:
             raise CheckpointError(f"step {step} not saved: {file}, which another rank wrote, is "
-                                  "not there for rank 0: --ckpt-dir must be one directory that "
-                                  "every rank reaches (a shared file system), not one on each node")
+                                  "not there for rank 0: --ckpt-dir must be shared by every rank")
 
 
 def _partial(root, step, device):
@@ -672,9 +661,11 @@ def _manifest_problem(m):
     n, units, replicated, files = map(m.get, ("world_size", "units", "replicated", "files"))
     for key, ok, want in [("step", _count(m.get("step")), "a step number"),
                           ("stage", _count(m.get("stage")) and m["stage"] < 4, "0, 1, 2 or 3"),
-                          ("world_size", _count(n, 1), "a number of ranks")]:
+                          ("world_size", _count(n, 1), "a number of ranks"),
+                          ("files", isinstance(files, dict) and files, "a non-empty dictionary"),
+                          ("extra", isinstance(m.get("extra"), dict), "a dictionary")]:
         if not ok:
-            return f"{key!r} is {m.get(key)!r}, not {want}"
+            return f"{key!r} is {m.get(key)!r:.100}, not {want}"  # (a long value: its start)
     text = lambda x: isinstance(x, str)  # noqa: E731
     if not (isinstance(units, list) and all(isinstance(u, list) and all(
             _pair(p, text, _is_shape) for p in u) for u in units)):
@@ -687,8 +678,6 @@ def _manifest_problem(m):
     if not (isinstance(m.get("keys"), list) and all(
             _pair(k, text, lambda x: text(x) and x in names) for k in m["keys"])):
         return "'keys' is not a list of [state_dict key, name of a parameter or buffer]"
-    if not isinstance(files, dict) or not files:
-        return "'files' is missing or empty"
     if set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:  # (a dict's keys: each once)
         return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
                 f"not {', '.join(map(repr, sorted(files)))[:200]}")
@@ -696,8 +685,6 @@ def _manifest_problem(m):
     for file, entry in files.items():
         if not _pair(entry, _count, sha256):
             return f"'files' entry {file}: not [size, sha256 in hex]"
-    if not isinstance(m.get("extra"), dict):
-        return "'extra' is missing or not a dictionary"
 
 
 def _part_problem(part, r, manifest):
@@ -705,8 +692,7 @@ def _part_problem(part, r, manifest):
     if not isinstance(part, dict):
         return "not a checkpoint part"
     if part.get("rank") != r:
-        return (f"holds the part of rank {part.get('rank')!r}, not of rank {r} "
-                "(files swapped or renamed?)")
+        return f"holds the part of rank {part.get('rank')!r}, not of rank {r} (swapped or renamed?)"
     if not isinstance(units := part.get("units"), list) or len(units) != len(manifest["units"]):
         return f"does not hold the {len(manifest['units'])} unit(s) the manifest lists"
     for i, (unit, params) in enumerate(zip(units, manifest["units"])):
@@ -757,8 +743,7 @@ _LAYOUT_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, R
 
 
 def _not_laid_out(path, e):
-    return f"{path}: not laid out as this code writes checkpoints ({type(e).__name__}: " \
-           f"{_reason(e)})"
+    return f"{path}: not laid out as zero.py writes checkpoints ({type(e).__name__}: {_reason(e)})"
 
 
 def read_checkpoint(path, verify=None):
@@ -768,14 +753,13 @@ def read_checkpoint(path, verify=None):
     read from disk only where they are used. No process group needed. Anything wrong, in the
     manifest or in a part, is a CheckpointError that says what."""
     if path is None:
-        raise CheckpointError("no checkpoint path was given (None: latest_checkpoint() returns "
-                              "None where there is no complete checkpoint)")
+        raise CheckpointError("no checkpoint path was given (None: no complete checkpoint found?)")
     manifest = _read_json(os.path.join(path, "manifest.json"), "missing: no manifest.json, not a "
                           "complete checkpoint", FORMAT, _manifest_problem)
     n, parts = manifest["world_size"], []
-    for r in range(n):
-        file = os.path.join(path, f"rank_{r:05d}.pt")
-        size, digest = manifest["files"][os.path.basename(file)]
+    # (_manifest_problem checked that the files are rank_00000.pt ... : in rank order, sorted)
+    for r, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
+        file = os.path.join(path, name)
         found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
         try:
             if found != size:
@@ -823,8 +807,7 @@ def _one_checkpoint(path, device):
     for r, row in enumerate(_all_ranks(list(mine), device)):
         if bytes(row) != mine:
             raise CheckpointError(f"{path}: rank {r} reads another checkpoint there than this "
-                                  "rank (a copy on each node's own disk, not the same?): every "
-                                  "rank must load the same one")
+                                  "rank (each node's own copy?): every rank must load the same one")
 
 
 def checkpoint_tensors(manifest, parts, key="master"):
@@ -868,11 +851,9 @@ def consolidate(path, out, kind):
         raise CheckpointError(_not_laid_out(path, e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
     try:
-        if kind == "pt":
-            _atomic_write(out, lambda f: torch.save(state, f))
-        elif kind == "safetensors":
-            from safetensors.torch import save_file
-            _atomic_write(out, lambda f: save_file(state, f.name))
+        if kind != "dcp":  # (safetensors' save_file takes the name of the file it writes)
+            _atomic_write(out, lambda f: torch.save(state, f) if kind == "pt" else
+                          safetensors.torch.save_file(state, f.name))
         else:
             import torch.distributed.checkpoint as dcp
             shutil.rmtree(tmp, ignore_errors=True)
@@ -932,8 +913,7 @@ def checkpoint_path(path):
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     if (found := latest_checkpoint(path)) is None:
-        raise CheckpointError(f"{path}: not a checkpoint (neither zero.py's manifest.json nor "
-                              "DCP's .metadata), and no complete checkpoint in it")
+        raise CheckpointError(f"{path}: not a checkpoint, and no complete checkpoint in it")
     return found
 
 
@@ -969,10 +949,9 @@ def read_dcp(path):
         raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
                               f"({type(e).__name__}: {_reason(e)})") from None
     for name, end in sorted(_dcp_ends(metadata).items()):
-        size = _regular_size(os.path.join(path, name), "missing: the DCP checkpoint is torn")
-        if size < end:
-            raise CheckpointError(f"{os.path.join(path, name)}: {size} bytes, DCP's index needs "
-                                  f"{end}: truncated, the checkpoint is torn")
+        file = os.path.join(path, name)
+        if (size := _regular_size(file, "missing: the DCP checkpoint is torn")) < end:
+            raise CheckpointError(f"{file}: {size} bytes, DCP's index needs {end}: truncated")
     return info, {k: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
                   for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
@@ -996,8 +975,7 @@ def check_dcp(model, optimizer, info, tensors, path):
     keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
                 if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
     if not info.get("optimizer") or not any(keys.values()):
-        raise CheckpointError(f"{path}: holds no optimizer state (weights only?), and a resume "
-                              "needs it; start from weights with --init-from")
+        raise CheckpointError(f"{path}: holds no optimizer state to resume: use --init-from")
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
                          if k.startswith("model.")})
@@ -1052,8 +1030,7 @@ def consolidate_command(args):
     where = os.path.dirname(name) or "."
     problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
                "is a directory" if os.path.isdir(out) and kind != "dcp" else
-               "ends in /, a directory's name: a .pt or .safetensors is a file"
-               if name != out and kind != "dcp" else
+               "ends in /: a .pt or .safetensors is a file" if name != out and kind != "dcp" else
                "is a file" if os.path.isfile(name) and kind == "dcp" else
                "a directory that is neither empty nor a DCP checkpoint"
                if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
@@ -1063,12 +1040,10 @@ def consolidate_command(args):
         raise UsageError(f"--out {out}: {problem}")
     if not os.path.isdir(args.consolidate):
         raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
-            args.consolidate) else "no such directory") + ": --consolidate takes a "
-            "checkpoint directory (or a --ckpt-dir, its newest)")
+            args.consolidate) else "no such directory") + ": --consolidate takes a directory")
     path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
     if is_dcp(path):
-        raise CheckpointError(f"{path}: a DCP checkpoint, not one of zero.py's (no manifest.json): "
-                              "DCP's is read by dcp_to_torch_save")
+        raise CheckpointError(f"{path}: a DCP checkpoint, not zero.py's: use dcp_to_torch_save")
     if os.path.realpath(name).startswith(os.path.join(os.path.realpath(args.consolidate), "")):
         raise UsageError(f"--out {out}: inside the checkpoints it reads, {args.consolidate}")
     m = consolidate(path, out, kind)
@@ -1091,23 +1066,21 @@ def resume(opt, args, world, device, log):
         return 1, None
     # fsdp_demo.py's optimizer loads and saves its own (DCP, through torch's state_dict API)
     manifest = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))(found)
-    if manifest["extra"].get("n_head", args.n_head) != args.n_head:  # (no shape shows it)
-        raise UsageError(f"{found}: written with --n-head {manifest['extra']['n_head']}, not "
-                         f"{args.n_head}: the same weights would be another model")
+    # (no shape shows --n-head: the same weights with other heads would be another model)
+    if (heads := manifest["extra"].get("n_head", args.n_head)) != args.n_head:
+        raise UsageError(f"{found}: written with --n-head {heads}, not {args.n_head}")
     loaded_lr = opt.optimizer.param_groups[0]["lr"]
     for group in opt.optimizer.param_groups:
         group["lr"] = args.lr
+    N, G = manifest["world_size"], manifest.get("shard_size", 0)  # (G 0: none recorded)
     log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
-        f"by {manifest['world_size']} rank(s)" +
-        (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
-        (f" in groups of {manifest['shard_size']} (hybrid)" if manifest.get("shard_size", 0)
-         not in (0, manifest["world_size"]) else "") +
+        f"by {N} rank(s)" + (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
+        (f" in groups of {G} (hybrid)" if G not in (0, N) else "") +
         (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
          if loaded_lr != args.lr else ""))
-    position = data_position(args, world)
-    if manifest["extra"].get("data") != position:
-        log(f"note: the data stream differs from the checkpoint's ({manifest['extra'].get('data')}"
-            f", now {position}): training goes on, on other batches")
+    if (data := manifest["extra"].get("data")) != (position := data_position(args, world)):
+        log(f"note: the data stream differs from the checkpoint's ({data}, now {position}): "
+            "training goes on, on other batches")
     return manifest["step"] + 1, found
 
 
@@ -1121,10 +1094,10 @@ def save(opt, args, step, world):
 
 def data_position(args, world):
     """What decides which rows step k trains on; equal in a resumed run means the same batches."""
+    # (a data file by its name, size and sampled hash: another file of the same name differs)
     return {"seed": args.seed, "global_rows": world * args.batch_size, "seq_len": args.seq_len,
-            "grad_accum": args.grad_accum,
-            "data": "corpus" if not args.data else "{} ({:,} bytes, sampled sha256 {})".format(
-                os.path.basename(args.data), *_sampled(args.data))}  # (a file of the same name)
+            "grad_accum": args.grad_accum, "data": "{} ({:,} bytes, sampled sha256 {})".format(
+                os.path.basename(args.data), *_sampled(args.data)) if args.data else "corpus"}
 
 
 def read_state_dict(path, device=None):
@@ -1137,25 +1110,20 @@ def read_state_dict(path, device=None):
             state = read_state_dict(path)
         same_on_every_rank({f"--init-from {path} (bytes, sampled sha256)": _sampled(path)}, device)
         return state
-    if os.path.isdir(path):
-        raise UsageError(f"--init-from {path}: a directory; it takes a .pt or .safetensors file "
-                         "(dcp_to_torch_save makes a .pt of a DCP directory)")
     if os.path.exists(path) and not os.path.isfile(path):  # (a FIFO: reading could wait for ever)
-        raise UsageError(f"--init-from {path}: not a regular file")
-    try:  # (torch.load reads safetensors files too, but only from torch 2.12)
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            state = load_file(path)  # memory-mapped as well
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        raise UsageError(f"--init-from {path}: " + (
+            "a directory; it takes a .pt or .safetensors file (dcp_to_torch_save makes a .pt of a "
+            "DCP directory)" if os.path.isdir(path) else "not a regular file"))
+    try:  # (torch.load reads safetensors files too, but only from torch 2.12; both memory-map)
+        state = (safetensors.torch.load_file(path) if path.endswith(".safetensors") else
+                 torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     except Exception as e:  # a missing file, or one that is not a state_dict file of tensors
         # (the loader's message, its lines as one; torch's for a file not a zip: mmap's)
         old = os.path.isfile(path) and not path.endswith(".safetensors") and \
             not zipfile.is_zipfile(path)  # (torch 1.5's torch.save, or not torch's at all)
         why = "not the zip file torch.save writes; a legacy-format one: torch.load it and save " \
             "it again" if old else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        raise UsageError(f"--init-from {path}: not a state_dict file that can be read ({why})") \
-            from None
+        raise UsageError(f"--init-from {path}: not a readable state_dict file ({why})") from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")
     return state

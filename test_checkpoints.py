@@ -689,7 +689,7 @@ def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
     tmp, ranks = abused
     assert ranks[0]["local"] == ranks[1]["local"]
     assert re.fullmatch(r"step 8 not saved: \S+rank_00001\.pt, which another rank wrote, is not "
-                        r"there for rank 0: --ckpt-dir must be one directory that every rank .*",
+                        r"there for rank 0: --ckpt-dir must be shared by every rank",
                         ranks[0]["local"]), ranks[0]["local"]
     assert ranks[0]["local after"] == ["step_00000002", "step_00000004"]  # nothing of step 8
     assert ranks[1]["local after"] == []  # (rank 1's "node": its part removed too)
@@ -702,8 +702,8 @@ def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
     for rank, other in enumerate([1, 0]):
         for case in ("mixed", "mixed load"):
             assert ranks[rank][case].endswith(f": rank {other} reads another checkpoint there "
-                                              "than this rank (a copy on each node's own disk, "
-                                              "not the same?): every rank must load the same one")
+                                              "than this rank (each node's own copy?): every "
+                                              "rank must load the same one")
         assert ranks[rank]["missing"].endswith("gone: no such file or directory")
 
 
@@ -828,11 +828,11 @@ def test_load_state_dict_refuses_another_optimizers_before_any_change(one_rank):
 def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp_path):
     # rank 0 alone failed at its manifest (json.dumps), the others waited in a collective
     model, opt = wrapped(0, 1, "adamw", seed=100)
-    for step, extra, message in [("5", None, "step must be an int, 0 or more, not '5'"),
-                                 (-1, None, "step must be an int, 0 or more, not -1"),
-                                 (3, None, "keep must be an int, 0 or more, not '2'"),
-                                 (3, {"rng": torch.ones(2)}, "extra must be a dict that JSON"),
-                                 (3, ["epoch", 3], "extra must be a dict that JSON")]:
+    for step, extra, message in [("5", None, "step must be an int >= 0, not '5'"),
+                                 (-1, None, "step must be an int >= 0, not -1"),
+                                 (3, None, "keep must be an int >= 0, not '2'"),
+                                 (3, {"rng": torch.ones(2)}, "extra must be a JSON dict"),
+                                 (3, ["epoch", 3], "extra must be a JSON dict")]:
         with pytest.raises(ValueError, match="^zero: save_checkpoint's " + re.escape(message)):
             checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), step, extra,
                                         keep="2" if "keep" in message else 2)
@@ -996,9 +996,9 @@ def test_the_manifest_is_data(abused, tmp_path):
         "fifo manifest": (fifo("manifest.json"), "manifest.json: not a regular file"),
         "step abc": ({"step": "abc"}, "'step' is 'abc'"),
         "step true": ({"step": True}, "'step' is True"),
-        "no extra": ({"extra": None}, "'extra' is missing"),
-        "no files": ({"files": None}, "'files' is missing"),
-        "empty files": ({"files": {}}, "'files' is missing or empty"),
+        "no extra": ({"extra": None}, "'extra' is None, not a dictionary"),
+        "no files": ({"files": None}, "'files' is None, not a non-empty dictionary"),
+        "empty files": ({"files": {}}, "'files' is {}, not a non-empty dictionary"),
         "false shape": ({"units": false_shape}, "'units' is not a list"),
         "world size": ({"world_size": 0}, "'world_size' is 0"),
         "psi": ({"psi": 5}, "'psi' is 5"),

@@ -1594,7 +1594,7 @@ def test_settings_that_change_communication_must_agree(real_runs):
         assert re.fullmatch(f"ranks disagree: rank 0 has {init}; rank 1 has {init}",
                             res["apart"]["init-from"]), res["apart"]["init-from"]
         assert res["apart"]["init-from unreadable"].startswith(
-            "--init-from bad.pt: not a state_dict file that can be read"), res["apart"]
+            "--init-from bad.pt: not a readable state_dict file"), res["apart"]
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -2209,7 +2209,7 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--lr", "1e39"], "beyond float32's range"),
              (["--steps", "2.5"], "'2.5' is not a whole number"),
              (["--lr", "abc"], "'abc' is not a number"),
-             (["--init-from", str(afile)], "not a state_dict file that can be read (not the "
+             (["--init-from", str(afile)], "not a readable state_dict file (not the "
               "zip file torch.save writes; a legacy-format one: torch.load it"),  # (not mmap's)
              (["--shard-size", "2"], "must divide the world size 1"),
              (["--data", str(afile)], f"--data {afile} has 0 bytes: too few for a row"),
