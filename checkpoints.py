@@ -757,9 +757,9 @@ def read_checkpoint(path, verify=None):
     manifest = _read_json(os.path.join(path, "manifest.json"), "missing: no manifest.json, not a "
                           "complete checkpoint", FORMAT, _manifest_problem)
     n, parts = manifest["world_size"], []
-    # (_manifest_problem checked that the files are rank_00000.pt ... : in rank order, sorted)
-    for r, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
-        file = os.path.join(path, name)
+    for r in range(n):  # (_manifest_problem checked that the files are rank_00000.pt ...)
+        name = f"rank_{r:05d}.pt"
+        file, (size, digest) = os.path.join(path, name), manifest["files"][name]
         found = _regular_size(file, f"missing (rank {r} of {n} wrote it)")
         try:
             if found != size:
