@@ -1703,8 +1703,9 @@ def report(res, args):
     log0("  (measured includes padding and Adam's step counters; 'peak' adds what a step holds "
          "for a moment:\n   full-unit gradients, receive buffers, gathered units: docs/memory.md)")
     if ours and res["build_peak"]["params"] >= 0:  # the model came built on the meta device
-        log0(f"  building it (from the meta device, a unit at a time): at most "
-             f"{sum(res['build_peak'].values()):,} bytes a rank;\n   the whole model: {4 * psi:,}")
+        built = sum(res["build_peak"].values())  # model state held while wrap() built it
+        log0(f"  building it (from the meta device, a unit at a time): at most {built:,} bytes a "
+             f"rank;\n   the whole model's parameters (fp32): {4 * psi:,}")
     log0(f"\ncommunication per rank per step, bytes (ring cost of the calls made; gathers in {pb} "
          f"bytes,\n  reductions in 4; N = {world}, k = {k} micro-batches"
          + (f", G = {G}: hybrid)" if G < world else ")"))
@@ -1735,7 +1736,7 @@ def report(res, args):
          "twice a ring's" + ";\n   on the GPU, a full-unit gradient more per reduction in flight, "
          "not in 'peak'" * on_cuda),
         (ours and comm.get("all_reduce") and world > 1, "all_reduce" + " includes" * (stage == 0)
-         + ": a 16-byte check a step that ranks agree" + " and the global gradient norm" * stage),
+         + ": a 16-byte check a step that ranks agree" + " and the gradient norm" * (stage > 0)),
         (world > 1, "not counted: the training loop's all-reduce of the loss, 4 bytes a step")]
     for note in [note for shown, note in notes if shown]:
         log0(f"  ({note})")
