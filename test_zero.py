@@ -2082,6 +2082,7 @@ def test_cli_trains_under_torchrun(cli_runs, stage):
     # what is rank 0's alone, and what the bytes leave out, said so
     assert "median step time of rank 0: " in out
     assert "(not counted: the training loop's all-reduce of the loss, 4 bytes a step)" in out
+    assert out.count("16-byte check a step") == 1 and out.count("the gradient norm") == (stage > 0)
 
 
 def test_cli_every_stage_gives_the_same_losses(cli_runs):
