@@ -182,8 +182,10 @@ class Watch(Progress):
 
     def block_forward(self, name):
         super().block_forward(name)
-        if torch.is_grad_enabled():  # (blocks.0: a new forward)
-            self.forward = [*self.forward, self.now] if name != "blocks.0" else [self.now]
+        if torch.is_grad_enabled():
+            if name == "blocks.0":  # a new forward
+                self.forward = []
+            self.forward.append(self.now)
 
     def per_block(self):
         """Bytes one more block adds to what a rank holds beyond its model state: what the data
