@@ -542,7 +542,8 @@ def ckpt_dir_lock(root, device):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}")
+                    raise UsageError(f"{what}: in use by another job{_lock_holder(fd)}; one job "
+                                     "per directory") from None
                 except OSError as e:
                     print(f"warning: {what} cannot be locked ({e.strerror}): make sure that no "
                           "other job uses it", file=sys.stderr, flush=True)
@@ -665,7 +666,8 @@ def _manifest_problem(m):
                           ("files", isinstance(files, dict) and files, "a non-empty dictionary"),
                           ("extra", isinstance(m.get("extra"), dict), "a dictionary")]:
         if not ok:
-            return f"{key!r} is {m.get(key)!r:.100}, not {want}"  # (a long value: its start)
+            shown = repr(m[key]) if key in m else "missing"  # (a long value: its start)
+            return f"{key!r} is {shown[:100] + '...' * (len(shown) > 100)}, not {want}"
     text = lambda x: isinstance(x, str)  # noqa: E731
     if not (isinstance(units, list) and all(isinstance(u, list) and all(
             _pair(p, text, _is_shape) for p in u) for u in units)):

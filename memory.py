@@ -52,7 +52,8 @@ def memory_size(text):
         # stacks count)
         if 10**6 <= size < 2**62:
             return int(size)
-    raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1MB to 4EiB, like 400MB")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size from 1MB (the runtime's threads "
+                                     "need it) to 4EiB, in B, kB-TB or KiB-TiB, like 400MB")
 
 
 def _sizes(path="/proc/self/status"):

@@ -56,7 +56,7 @@ Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/I
 Activations are not model state, and no stage here shards them.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, inspect, os
-import sys, time, types, warnings, weakref
+import statistics, sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -748,7 +748,7 @@ def make_units(zero, model, modules):
             (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]}, "
              "sparse=True): zero.py reduces dense ones in flat buffers; use sparse=False"),
             (renorm, renorm and f"{renorm[0]} has max_norm: each rank's forward rewrites the rows "
-             "it looks up: the ranks' weights part; build it without"),
+             "it looks up, so the ranks' weights drift apart; build it without max_norm"),
             (alias, f"{alias} shares elements with another parameter or itself (a view, expand()):"
              " wrap() would copy them apart into its units, untied; use one Parameter, or two")]:
         if bad:
@@ -1231,7 +1231,8 @@ class ShardedParameter(nn.Parameter):
         for u, a in [(a._zero_unit(), a) for a in leaves if type(a) is cls]:
             if not u.gathered or u.prefetch is not None:  # (prefetched: its values on the way)
                 raise RuntimeError(f"zero: {a._zero_name} is sharded at stage 3 and not gathered "
-                                   "now: read it in `with opt.gathered():` on every rank, or "
+                                   "now: a module computing with it belongs in its unit; between "
+                                   "steps, read it in `with opt.gathered():` on every rank, or "
                                    "opt.full_state_dict(); hooks: docs/api.md")
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
@@ -1740,11 +1741,11 @@ def report(res, args):
         (world > 1, "not counted: the training loop's all-reduce of the loss, 4 bytes a step")]
     for note in [note for shown, note in notes if shown]:
         log0(f"  ({note})")
-    i = median_step(res["times"])  # the step at the middle of the sorted times, and its split
-    t = res["times"][i] * 1e3
-    log0(f"\nmedian step time of rank 0: {t:.1f} ms over {len(res['times'])} steps")
-    if res["waits"]:
-        w = res["waits"][i] * 1e3
+    log0(f"\nmedian step time of rank 0: {statistics.median(res['times']) * 1e3:.1f} ms over "
+         f"{len(res['times'])} steps")
+    if res["waits"]:  # one step's split: the one at the middle of the sorted times
+        i = median_step(res["times"])
+        t, w = res["times"][i] * 1e3, res["waits"][i] * 1e3
         log0(f"step {res['first'] + i}, {t:.1f} ms: {w:.1f} ms waiting on collectives (the "
              f"communication overlap did not hide,\n  timed in their wait()) + {t - w:.1f} ms "
              "the rest (compute, optimizer, Python, the loss's all-reduce)")
@@ -1836,7 +1837,8 @@ def check_args(args):
             (args.lr > torch.finfo(torch.float32).max,  # the optimizer's fp32 arithmetic
              f"--lr {args.lr:g} is beyond float32's range"),
             (not 0 <= args.clip < float("inf"), f"--clip must be 0 or positive, not {args.clip}"),
-            (not 0 <= args.bucket_mb * 2**20 < float("inf"), "--bucket-mb must be 0 or positive"),
+            (not 0 <= args.bucket_mb * 2**20 < float("inf"), "--bucket-mb must be 0 or a finite "
+             f"positive number, not {args.bucket_mb}"),
             (args.init_from and args.resume_from, "--init-from and --resume-from: not both"),
             (not 0 <= args.seed < SEEDS, f"--seed must be from 0 to {SEEDS - 1}, not {args.seed}"),
             (not TIMEOUTS[0] <= args.timeout <= TIMEOUTS[1], "--timeout must be from "
