@@ -635,6 +635,8 @@ def main(argv=None):
     for name in args.names:
         if name not in MISTAKES:
             raise zero.UsageError(f"no mistake named {name!r}; see `python mistakes.py --list`")
+    if args.json == "":  # (else no file, and no word of it)
+        raise zero.UsageError("--json '': an empty name")
     if args.list and args.names:
         raise zero.UsageError("--list prints every mistake: not with names")
     if args.list:
