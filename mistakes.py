@@ -455,7 +455,8 @@ def same_batch(quick):
     return out
 
 
-@mistake("0-3", 1, "distance to the reference", "the loop (ZeRO1._reduce_grads: sum over ranks / N)")
+@mistake("0-3", 1, "distance to the reference",
+         "the loop (zero.py divides the sum over ranks by N: ZeRO1._reduce_grads)")
 def token_mean_per_rank(quick):
     """Each rank's mean over its own tokens, averaged over ranks, weighs a token of a short
     batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
