@@ -228,9 +228,9 @@ def check_largest_model_args(args):
         raise UsageError("--largest-model needs --max-memory and --world-size 2 at least")
     if "RANK" in os.environ:
         raise UsageError("--largest-model launches its own ranks: run it without torchrun")
-    if args.ckpt_dir or args.resume_from or args.init_from or args.estimate or args.timeline:
+    if args.ckpt_dir or args.resume_from or args.init_from:
         raise UsageError("--largest-model trains demo models of its own: not with --ckpt-dir, "
-                         "--resume-from, --init-from, --estimate, --timeline")
+                         "--resume-from, --init-from")
 
 
 def _psi(args, layers):  # the demo GPT's parameters: one block's, then one block's more per block
@@ -667,10 +667,6 @@ def check_timeline_args(args):
     """--timeline, --timeline-all: bad input is a UsageError before anything runs; else the
     last step is the one recorded."""
     path = args.timeline or args.timeline_all
-    if args.timeline and args.timeline_all:
-        raise UsageError("--timeline and --timeline-all: choose one")
-    if args.estimate or args.consolidate:
-        raise UsageError("--timeline[-all] draws training: not with --estimate or --consolidate")
     if args.steps < 2:
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
     if args.timeline_all and (args.ckpt_dir or args.resume_from):

@@ -138,7 +138,7 @@ def test_timeline_bad_input_is_one_line_and_exit_2(tmp_path):
              (["--timeline-all", str(tmp_path / "t.svg"), "--resume-from", str(tmp_path)],
               "from scratch: not with --ckpt-dir, --resume-from"),
              (["--timeline", "t.svg", "--estimate", "--params", "1e9", "--world-size", "8"],
-              "--estimate")]
+              "--estimate and --timeline: choose one")]
     for args, message in cases:  # refused before any process group or training
         with pytest.raises(zero.UsageError, match=re.escape(message)):
             zero.main(args)
@@ -360,7 +360,7 @@ def test_largest_model_refuses_what_it_cannot_measure(monkeypatch, capsys):
                           (["--max-memory", "200MB", "--world-size", "2", "--resume-from", "d"],
                            "trains demo models of its own: not with --ckpt-dir"),
                           (["--max-memory", "200MB", "--world-size", "2", "--estimate"],
-                           "trains demo models of its own: not with --ckpt-dir")]:
+                           "--estimate and --largest-model: choose one")]:
         with pytest.raises(zero.UsageError, match=message):
             zero.main(["--largest-model", *args, *MODEL])
     killed = []

@@ -2200,6 +2200,12 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--clip", "nan"], "--clip"), (["--clip", "inf"], "--clip"),
              (["--params", "1e9"], "is for --estimate"),
              (["--world-size", "8"], "is for --estimate and --largest-model"),
+             # runs of their own: any two refused, naming them in the order of --help
+             (["--largest-model", "--max-memory", "1GB", "--world-size", "2", "--timeline-all",
+               "t.svg"], "--largest-model and --timeline-all: choose one"),
+             (["--consolidate", "d", "--out", "m.pt", "--largest-model"], "--consolidate and "
+              "--largest-model: choose one"),
+             (["--tradeoffs", "--estimate"], "--estimate and --tradeoffs: choose one"),
              (["--ckpt-dir", str(afile)], "not a directory"),
              (["--ckpt-dir", str(afile / "x")], "Not a directory"),
              (["--ckpt-dir", unwritable], "not writable"),

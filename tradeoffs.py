@@ -53,11 +53,8 @@ def command(args, argv):
     given = {flag for flag in ("--stage", "--n-layer", "--d-model", "--seq-len", "--batch-size")
              if any(len(n) > 2 and flag.startswith(n) for n in names)}  # (or abbreviated)
     if args.tradeoffs:
-        if args.estimate or args.consolidate or args.largest_model or args.timeline or \
-                args.timeline_all or args.ckpt_dir or args.resume_from or args.max_memory or \
-                "--stage" in given:
-            raise UsageError("--tradeoffs trains every stage from the start: not with "
-                             "--stage, --estimate, --consolidate, --largest-model, --timeline*, "
+        if args.ckpt_dir or args.resume_from or args.max_memory or "--stage" in given:
+            raise UsageError("--tradeoffs trains every stage from the start: not with --stage, "
                              "--ckpt-dir, --resume-from, --max-memory (one process's limit)")
         return tradeoff_table(args)
     if args.params is None or args.world_size is None:

@@ -1876,6 +1876,10 @@ def main(argv=None):
         "time, waiting, tokens/s, and the time model's")
     add("--unit-sizes", action="store_true", help="--tradeoffs: also with --units model, layer")
     args = check_args(p.parse_args(argv))
+    runs = [f"--{k}".replace("_", "-") for k in ("estimate", "tradeoffs", "consolidate",
+            "largest_model", "timeline", "timeline_all") if vars(args)[k]]  # each a run of its own
+    if len(runs) > 1:
+        raise UsageError(f"{runs[0]} and {runs[1]}: choose one")
     if args.timeline or args.timeline_all:
         _memory().check_timeline_args(args)
     if args.world_size and args.shard_size and args.world_size % args.shard_size:
