@@ -97,6 +97,9 @@ def build_device(device):
     """Where a model built on the meta device is built: `device` (wrap(device=...)), by default
     this rank's GPU under NCCL, else the CPU."""
     device = torch.device(device or ("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    gpus = torch.cuda.device_count()
+    if device.type != "cpu" and not (device.type == "cuda" and (device.index or 0) < gpus):
+        raise ValueError(f"zero: device={str(device)!r}: build on cpu, or on a CUDA GPU it sees")
     # "cuda" without an index: this rank's current GPU
     return torch.device("cuda", torch.cuda.current_device()) if str(device) == "cuda" else device
 

@@ -214,6 +214,10 @@ def test_meta_models_refused_clearly(one_rank):
         replaced = Net(0)
     cases.append((replaced, {"init": lambda m: net_init(m) or m is replaced.norm and setattr(
         m, "weight", nn.Parameter(torch.ones(D)))}, "init() replaced a parameter of norm"))
+    for device in ("cuda:99", "xpu"):  # a GPU it cannot see, another kind of device
+        with torch.device("meta"):
+            cases.append((Net(0), {"init": net_init, "device": device}, f"device='{device}': "
+                          "build on cpu, or on a CUDA GPU it sees"))
     for model, kwargs, message in cases:
         with pytest.raises(ValueError) as e:
             zero.wrap(model, 3, optimizer, **kwargs)

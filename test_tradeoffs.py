@@ -218,7 +218,8 @@ def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):
 
 def test_tradeoffs_refuses_what_it_would_not_apply():
     # --max-memory's limit stays with the process: the next stage's run would start under it
-    for argv in (["--max-memory", "1MB"], ["--ckpt-dir", "d"], ["--stage", "2"], ["--sta=1"]):  # (every stage is trained: --stage had no say)
+    # (every stage is trained: --stage had no say)
+    for argv in (["--max-memory", "1MB"], ["--ckpt-dir", "d"], ["--stage", "2"], ["--sta=1"]):
         error, _ = main_refused(zero.main, ["--tradeoffs", *argv, *MODEL])
         assert error and error.startswith("--tradeoffs trains every stage from the start: not "
                                           "with"), (argv, error)

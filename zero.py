@@ -606,8 +606,8 @@ def choose_device(backend, device):
             say(f"note: {local_world} local ranks, {gpus} GPU(s): gloo on CPU tensors "
                 "(--backend gloo --device cuda shares the GPUs)")
     backend = backend or ("nccl" if device == "cuda" and own else "gloo")
-    if device == "cuda" and gpus == 0:
-        raise UsageError("--device cuda, but no CUDA GPU is visible")
+    if device not in ("cpu", "cuda") or device == "cuda" and gpus == 0:
+        raise UsageError(f"device {device}: zero.py computes on cpu, or cuda where a GPU is seen")
     if backend == "nccl" and (device != "cuda" or not own):
         raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
                          f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
