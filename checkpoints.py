@@ -977,7 +977,7 @@ def check_dcp(model, optimizer, info, tensors, path):
     keys = {n: [k[len(f"optimizer.state.{n}."):] for k in tensors
                 if k.startswith(f"optimizer.state.{n}.")] for n, _ in model.named_parameters()}
     if not info.get("optimizer") or not any(keys.values()):
-        raise CheckpointError(f"{path}: holds no optimizer state to resume: use --init-from")
+        raise CheckpointError(f"{path}: no optimizer state: --init-from its dcp_to_torch_save .pt")
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
                          if k.startswith("model.")})

@@ -413,7 +413,7 @@ def test_moving_refuses_bad_input_in_one_line(ran, shared, one_rank, tmp_path):
              (fsdp_demo.main, ["--stage", "2", "--n-layer", "1", "--resume-from", zero_dir],
               "another model: tensor 'blocks.1."),
              (zero.main, ["--resume-from", str(tmp_path / "weights.dcp")],
-              "holds no optimizer state"),
+              "no optimizer state: --init-from its dcp_to_torch_save .pt"),
              (zero.main, ["--resume-from", str(tmp_path / "torn")],
               "complete.json: missing: the DCP checkpoint is torn"),
              (zero.main, ["--resume-from", str(tmp_path / "truncated")], "__1_0.distcp: 100 bytes")]
