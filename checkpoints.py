@@ -111,6 +111,9 @@ def load_own_part(zero, state):
                 layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
             raise CheckpointError("load_state_dict() takes this rank's state_dict() of this model "
                                   "and optimizer at this stage and N; else use load_checkpoint()")
+        if problem := _part_problem(state, q, layout(zero)):  # (edited since state_dict())
+            raise CheckpointError(f"load_state_dict(): this rank's state_dict {problem}")
+        one_group_each(state.get("hyper"), zero.optimizer)
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
     # all-gathered from each one's own; None for the parts of the others.

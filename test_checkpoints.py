@@ -823,6 +823,17 @@ def test_load_state_dict_refuses_another_optimizers_before_any_change(one_rank):
         opt.load_state_dict(own)
     assert all(torch.equal(t, before[n]) for n, t in opt.full_state_dict().items())
     assert not opt.optimizer.param_groups[0].get("decoupled_weight_decay")
+    # its own, edited by hand: an IndexError or RuntimeError deep in the load, or taken silently
+    model, opt = wrapped(0, 1, "adamw", seed=100)
+    for edit, message in [(lambda s: s["units"].pop(), "does not hold the 5 unit"),
+                          (lambda s: s["units"][0].update(master=s["units"][0]["master"][:-1]),
+                           "unit 0: not "),
+                          (lambda s: s.update(replicated={"x": torch.zeros(1)}), "buffers are"),
+                          (lambda s: s.update(hyper=[]), "hyper-parameters are not")]:
+        state = opt.state_dict()
+        edit(state)
+        with pytest.raises(checkpoints.CheckpointError, match=message):
+            opt.load_state_dict(state)
 
 
 def test_save_checkpoint_refuses_a_bad_step_or_extra_on_every_rank(one_rank, tmp_path):
