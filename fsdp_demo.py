@@ -61,7 +61,7 @@ plus a manifest, resharded when loaded; each side continues the other's, Torch.l
 below and checkpoints.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
-import argparse, contextlib, gc, itertools, math, statistics, time
+import argparse, contextlib, gc, itertools, math, statistics
 from collections import Counter
 
 import torch
@@ -79,6 +79,7 @@ from torch.utils._pytree import tree_leaves
 
 import checkpoints
 import zero
+from tradeoffs import median_time
 
 log = zero.log0  # rank 0 prints, the others stay quiet
 
@@ -410,17 +411,6 @@ def bench(args):
     _, world, device = zero.setup(args.backend, args.device, args.timeout)
     steps = max(args.steps, 2)  # the first warms up
 
-    def median_ms(call, repeats):  # call() timed, 1 + repeats times: the first is a warm-up
-        took = []
-        for _ in range(1 + repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            call()
-            if device.type == "cuda":  # a collective returns once queued: the clock is read
-                torch.cuda.synchronize()  # when the GPU is done with it
-            took.append(time.perf_counter() - t0)
-        return statistics.median(took[1:]) * 1e3
-
     table, zero_ms = [], {}  # the table's lines; zero.py's median step, ms, per (model, stage)
     for (name, size), stage in itertools.product(BENCH_MODELS, range(4)):
         # Stages 0 and 1 use DDP's 25 MB buckets, as their PyTorch counterparts do; stages 2
@@ -455,7 +445,8 @@ def bench(args):
     # The cost of zero.py's per-step check that ranks communicated the same units (one all-reduce
     # of 16 bytes per step, zero.check_step_agrees; check_steps=False, --no-step-check: off)
     check = torch.zeros(2, dtype=torch.int64, device=device)
-    check_ms = median_ms(lambda: dist.all_reduce(check, op=dist.ReduceOp.MAX), 10 * args.repeats)
+    check_ms = 1e3 * median_time(lambda: dist.all_reduce(check, op=dist.ReduceOp.MAX),
+                                 10 * args.repeats, device)
     first, _ = BENCH_MODELS[0]  # the default model
     log(f"per-step check that ranks agree (one 16-byte all_reduce): {check_ms:.3f} ms, "
         f"{100 * check_ms / zero_ms[first, 0]:.1f}% of the {first} model's stage-0 step")
@@ -464,7 +455,7 @@ def bench(args):
     # all-reduce, as ring algorithms give.
     x = torch.randn(ours["psi"] // world * world, device=device)  # Ψ of the last model
     shard, full = torch.empty(x.numel() // world, device=device), torch.empty_like(x)
-    times = {name: median_ms(call, args.repeats) for name, call in [
+    times = {name: 1e3 * median_time(call, args.repeats, device) for name, call in [
         ("all_reduce", lambda: dist.all_reduce(x)),
         ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, x)),
         ("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),

@@ -367,7 +367,7 @@ def calibrate(args, device, reps=5):
                     "reduce_scatter": lambda: reduce_scatter(out.clone(), x),
                     "all_gather": lambda: all_gather(x, out.clone())}[kind]
             xs.append(numel * 4)
-            ys.append(_median_time(call, reps, device))
+            ys.append(median_time(call, reps, device))
         fits[kind] = _line(xs, ys)
     with torch.device(device):
         torch.manual_seed(args.seed)
@@ -378,26 +378,27 @@ def calibrate(args, device, reps=5):
 
     def forward_backward():
         F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
-    compute = _median_time(forward_backward, reps, device)
+    compute = median_time(forward_backward, reps, device)
     pieces = [torch.zeros(PIECE.get(device.type, PIECE["cuda"]), device=device,
                           requires_grad=True) for _ in range(8)]
     for p in pieces:
         p.grad = torch.zeros_like(p)
     opt = adamw(args)(pieces)
-    step = _median_time(opt.step, reps, device)
+    step = median_time(opt.step, reps, device)
     return {"coll": fits, "compute": compute,
             "optimizer_per_element": step / sum(p.numel() for p in pieces)}
 
 
-def _median_time(fn, reps, device):
+def median_time(fn, reps, device):
+    """Seconds fn() takes, the median of `reps` calls after a warm-up, the slowest rank's."""
     fn()  # warm: the first call allocates, and sets up connections
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        if device.type == "cuda":  # a collective returns once queued: the clock is read
+            torch.cuda.synchronize()  # when the GPU is done with it
         times.append(time.perf_counter() - t0)
     return _agree(statistics.median(times), device)
 
