@@ -116,6 +116,10 @@ def test_cluster_estimate_memory_is_the_formulas():
     act = {ckpt: a for _, _, ckpt, _, a, _, _ in table}
     assert act[True] != act[False]
     assert "given:\n  gpus_per_node=8\n" in out and "\nassumed (the defaults" in out
+    # --stage: that stage's rows only, in both tables (every stage's times came with one's memory)
+    out = main_printed(zero.main, SEVEN_B + ["--cluster", "gpus_per_node=8", "--stage", "3"])
+    assert {r[0] for r in rows(out)} == {3} and len(rows(out)) == 4
+    assert [s for s, _ in re.findall(r"^(\d) .* (\S+) GB +\S+ +\S+$", out, re.M)] == ["3"]
 
 
 def test_cluster_estimate_names_what_fits_and_binds():

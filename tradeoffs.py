@@ -75,10 +75,10 @@ def command(args, argv):
                          f"--world-size {args.world_size}")
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 prints (a formula needs no group)
         return
-    estimate(args.params, args.world_size, args.shard_size,
-             [args.stage] if "--stage" in given else range(4), args.grad_accum)
+    stages = [args.stage] if "--stage" in given else range(4)
+    estimate(args.params, args.world_size, args.shard_size, stages, args.grad_accum)
     if cluster is not None:
-        predict_cluster(model_shape(args, given), args.params, args.world_size, cluster)
+        predict_cluster(model_shape(args, given), args.params, args.world_size, cluster, stages)
 
 
 def estimate(psi, world, shard_size=None, stages=range(4), k=1):
@@ -275,8 +275,9 @@ def model_shape(args, given):
                                  "note": note})
 
 
-def predict_cluster(args, psi, world, cluster):
-    """--estimate --cluster: the time model per stage, hybrid G and activation checkpointing."""
+def predict_cluster(args, psi, world, cluster, stages=range(4)):
+    """--estimate --cluster: the time model per stage (of `stages`), hybrid G and activation
+    checkpointing."""
     c, L, k = cluster, args.n_layer, args.grad_accum
     tokens = args.batch_size * args.seq_len  # per rank per micro-batch
     shards = sorted({world, min(c.gpus_per_node, world)} | ({args.shard_size} - {None}),
@@ -292,7 +293,7 @@ def predict_cluster(args, psi, world, cluster):
     print(f"{'stage':<6}{'G':>5} {'ckpt':>5} {'model':>8} {'activ.':>8} {'total':>8} {'fits':>5} "
           f"{'compute':>8} {'comm':>8} {'exposed':>8} {'step':>8} {'tokens/s':>10}")
     rows = []
-    for stage in range(4):
+    for stage in stages:
         for G in shards if stage else [world]:
             for ckpt in (False, True):
                 state = sum(memory_formula(stage, psi, world, 2, 2, 12, G).values())
