@@ -212,6 +212,9 @@ def test_cluster_estimate_assumes_a_shape_from_psi_where_none_is_given():
     out = main_printed(zero.main, ["--estimate", "--params", "7e9", "--world-size", "16",
                                    "--n-layer", "2", "--d-model", "256", "--cluster", ""])
     assert "(note: --params is 4,450x the blocks' 12·layers·d_model² (embeddings?):" in out
+    out = main_printed(zero.main, ["--estimate", "--params", "1000", "--world-size", "2",
+                                   "--cluster", ""])  # the least shape: 1 layer of 64, 49,152
+    assert "1 layers of d_model 64" in out and "(note: --params is 0.02x the blocks'" in out
 
 
 def test_a_one_step_table_says_its_median_holds_the_warm_up(one_rank):

@@ -261,11 +261,11 @@ def model_shape(args, given):
     elif "--n-layer" not in given:
         layers = max(1, round(psi / (12 * d * d)))
         assumed.append("layers from Ψ and d_model")
-    ratio = psi / (12 * layers * d * d)  # both given, and --params: do they describe one model?
+    ratio = psi / (12 * layers * d * d)  # the shape and --params: do they describe one model?
     note = [f"note: --params is {f'{ratio:,.0f}' if ratio >= 10 else f'{ratio:.2g}'}x the "
             "blocks' 12·layers·d_model²" + " (embeddings?)" * (ratio > 1) + ":\n   Ψ sets the "
-            "FLOPs and bytes, the shape the activations"] * (
-        not 0.5 <= ratio <= 2 and {"--n-layer", "--d-model"} <= given)
+            "FLOPs and bytes, the shape the activations"] * (not 0.5 <= ratio <= 2)  # (a
+    # shape derived from Ψ too: at least 1 layer of 64, for a Ψ of a few thousand)
     seq_len = args.seq_len if "--seq-len" in given else 2048
     rows = args.batch_size if "--batch-size" in given else 1
     assumed += ["seq_len 2048"] * ("--seq-len" not in given) + \
