@@ -2055,9 +2055,10 @@ def test_estimate_reproduces_the_paper():
                                    "--grad-accum", "4"])
     assert [estimate_rows(out)[s][1] for s in range(4)] == [1.477e10] * 2 + [3.691e10, 8.859e10]
     assert "k = 4 micro-batches):\n2Ψ(N-1)/N for stage 0, 2Ψ(N-1)/N for stage 1, 5Ψ(N-1)/N" in out
-    with pytest.raises(zero.UsageError,
-                       match="^--ckpt-dir is for training: --estimate trains nothing$"):
-        zero.main(["--estimate", "--params", "7.5e9", "--world-size", "64", "--ckpt-dir", "x"])
+    for flag in (["--ckpt-dir", "x"], ["--bf16"]):  # (--bf16: its bytes are always bf16's)
+        with pytest.raises(zero.UsageError,
+                           match=f"^{flag[0]} is for training: --estimate trains nothing$"):
+            zero.main(["--estimate", "--params", "7.5e9", "--world-size", "64", *flag])
     out = main_printed(zero.main, ["--estimate", "--params", "1e30", "--world-size", "64"])
     table = out.splitlines()[4:9]
     # the columns hold

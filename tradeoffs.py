@@ -61,7 +61,8 @@ def command(args, argv):
         raise UsageError("--estimate needs --params and --world-size")
     for flag, value in [("--ckpt-dir", args.ckpt_dir), ("--resume-from", args.resume_from),
                         ("--init-from", args.init_from), ("--data", args.data),
-                        ("--max-memory", args.max_memory), ("--bucket-mb", args.bucket_mb)]:
+                        ("--max-memory", args.max_memory), ("--bucket-mb", args.bucket_mb),
+                        ("--bf16", args.bf16)]:  # (the estimate: mixed precision, always)
         if value:  # (each would be ignored)
             raise UsageError(f"{flag} is for training: --estimate trains nothing")
     most = PARAMS_MAX if args.cluster is not None else 1e300  # (else: 16Ψ bytes are finite)
