@@ -377,7 +377,8 @@ def print_comparison(theirs, ours, args):
 
     def column(res):  # one run's numbers, in the order of `names`
         mem = [res["mem"][k] for k in ("params", "grads", "optimizer")]
-        return [*mem, sum(mem), sum(res["comm"].values()), statistics.median(res["times"]) * 1e3,
+        return [*mem, sum(mem), sum(res["comm"].values()),
+                statistics.median_high(res["times"]) * 1e3,  # (one step's, as zero.report's)
                 *([max(res["cuda_peak"])] if ours["cuda_peak"] else [])]  # (on CUDA only)
     names = ["params bytes", "grads bytes", "optimizer bytes", "model state bytes",
              "bytes sent per step", "median step time, ms", "cuda max_memory_allocated"]

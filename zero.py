@@ -56,7 +56,7 @@ Left out, on purpose: activation memory (ZeRO-R) and CPU offload (ZeRO-Offload/I
 Activations are not model state, and no stage here shards them.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, inspect, os
-import statistics, sys, time, types, warnings, weakref
+import sys, time, types, warnings, weakref
 from collections import Counter
 from datetime import timedelta
 
@@ -1741,10 +1741,10 @@ def report(res, args):
         (world > 1, "not counted: the training loop's all-reduce of the loss, 4 bytes a step")]
     for note in [note for shown, note in notes if shown]:
         log0(f"  ({note})")
-    log0(f"\nmedian step time of rank 0: {statistics.median(res['times']) * 1e3:.1f} ms over "
+    i = median_step(res["times"])  # (of an even number: the upper of the middle two, one step)
+    log0(f"\nmedian step time of rank 0: {res['times'][i] * 1e3:.1f} ms over "
          f"{len(res['times'])} steps")
-    if res["waits"]:  # one step's split: the one at the middle of the sorted times
-        i = median_step(res["times"])
+    if res["waits"]:  # that step's split
         t, w = res["times"][i] * 1e3, res["waits"][i] * 1e3
         log0(f"step {res['first'] + i}, {t:.1f} ms: {w:.1f} ms waiting on collectives (the "
              f"communication overlap did not hide,\n  timed in their wait()) + {t - w:.1f} ms "
