@@ -76,6 +76,7 @@ import dataclasses
 import functools
 import gc
 import io
+import itertools
 import os
 import re
 import socket
@@ -1309,6 +1310,37 @@ def test_a_grad_set_by_hand_is_refused(one_rank, stage):
             p.grad.mul_(0)
         opt.step()
         assert all(torch.equal(t, before[k]) for k, t in opt.full_state_dict().items())
+
+
+def clip_values(optimizer, *_):  # a step pre-hook: torch's clip_grad_value_ on what it steps
+    torch.nn.utils.clip_grad_value_([p for group in optimizer.param_groups for p in group["params"]
+                                     if p.grad is not None], 0.02)
+
+
+@scenario(2)
+def grads_in_a_step_pre_hook(rank, world):
+    out = {}
+    for stage, overlap in itertools.product(range(4), (True, False)):
+        model, opt = wrapped(rank, stage, "sgd", seed=100, overlap=overlap)
+        opt.optimizer.register_step_pre_hook(clip_values)
+        run_steps(model, opt, None, CASES["sgd"], slice(rank * B, (rank + 1) * B), world, STEPS)
+        out[stage, overlap] = opt.full_state_dict()
+    return out
+
+
+def test_an_element_wise_gradient_transform_in_a_step_pre_hook_is_exact(ran):
+    # Between backward and step(), p.grad is the global mean only at stage 0 with overlap (stage
+    # 1: this rank's shard of the sum; overlap=False: the local gradient; stages 2, 3: None), so
+    # clip_grad_value_ there trains otherwise. In a step pre-hook of opt.optimizer, each piece's
+    # .grad is this rank's elements of the mean, at every stage: exactly torch's result.
+    world, model = 2, Net(seed=100)
+    torch_opt = CASES["sgd"]["optimizer"]([p for p in model.parameters() if p.requires_grad])
+    torch_opt.register_step_pre_hook(clip_values)
+    run_steps(model, torch_opt, None, CASES["sgd"], slice(None), world, STEPS)
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert not all(torch.equal(want[n], t) for n, t in reference("sgd", world).items())  # clips
+    for (stage, overlap), got in ran(grads_in_a_step_pre_hook, world)[0].items():
+        assert_trains_like(got, want, what=f"stage {stage}, overlap={overlap}")
 
 
 class TwoDtypes(nn.Module):
