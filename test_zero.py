@@ -1893,6 +1893,17 @@ def test_wrap_refuses_a_bad_option_in_one_line(option, says):
         zero.wrap(Net(seed=0), 1, torch.optim.SGD, **option)
 
 
+def test_units_that_cannot_be_units_are_refused(one_rank):
+    # the model itself; at stage 3 a module without a forward (a ModuleList: its members were
+    # refused at their first read, as 'sharded and not gathered', though in their unit)
+    model = Net(seed=0)
+    for stage, units, says in [(1, [model], "every unit must be a submodule of the model"),
+                               (3, [model.blocks], "a ModuleList has none; list its own")]:
+        with pytest.raises(ValueError, match=f"^zero: .*{re.escape(says)}"):
+            zero.wrap(model, stage, torch.optim.SGD, units=units)
+    zero.wrap(model, 2, functools.partial(torch.optim.SGD, lr=0.1), units=[model.blocks])
+
+
 def test_a_unit_of_two_dtypes_is_refused_naming_them():
     # one flat buffer a unit: one dtype and device; the line names a parameter of each
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())

@@ -745,6 +745,8 @@ def make_units(zero, model, modules):
              f"{real[0][1].device}: build the whole model under torch.device('meta')"),
             (any(id(m) not in inside for m in modules),
              "every unit must be a submodule of the model (not the model itself)"),
+            (zero.stage == 3 and any(type(m).forward is nn.Module.forward for m in modules),
+             "stage 3 gathers a unit as its forward starts: a ModuleList has none; list its own"),
             (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]}, "
              "sparse=True): zero.py reduces dense ones in flat buffers; use sparse=False"),
             (renorm, renorm and f"{renorm[0]} has max_norm: each rank's forward rewrites the rows "
