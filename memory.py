@@ -417,11 +417,10 @@ def _trial_rank(rank, world, port, argv, send):
         res = train(check_args(training_parser("").parse_args(argv)), quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
                    "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
-    except OutOfMemory as e:
-        send.send({"ok": False, "error": str(e)})
-    except BaseException as e:  # anything else: the trial's one line
-        first = (str(e).strip().splitlines() or [""])[0]  # its first line
-        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: {first[:200]}"})
+    except BaseException as e:  # the trial's one line: OutOfMemory's, else an error's first
+        first = (str(e).strip().splitlines() or [""])[0]
+        send.send({"ok": False, "error": first if isinstance(e, OutOfMemory) else
+                   f"rank {rank}: {type(e).__name__}: {first[:200]}"})
     os._exit(0)
 
 
