@@ -54,9 +54,9 @@ def make_hybrid(zero):
     """configure(), with shard_size G < N: this rank's shard group and replica group, and the
     stage's class with Hybrid's override."""
     zero.group, zero.replica_group = hybrid_groups(zero.world, zero.rank, zero.N)
-    if not isinstance(zero, Hybrid):
-        zero.__class__ = _HYBRID.setdefault(type(zero), type(
-            f"Hybrid{type(zero).__name__}", (Hybrid, type(zero)), {}))
+    # (configure() runs once, in __init__: the object's class is its stage's, never Hybrid yet)
+    zero.__class__ = _HYBRID.setdefault(type(zero), type(
+        f"Hybrid{type(zero).__name__}", (Hybrid, type(zero)), {}))
 
 
 _HYBRID = {}  # a stage's class -> its hybrid class

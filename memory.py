@@ -85,7 +85,7 @@ def limit_memory(size, device, watch=None):
     # (else the heap keeps freed tensors, and the limit counts them). The price: fresh pages, and
     # their faults, for every new tensor, so a limited run is slower than an unlimited one. And
     # one malloc arena for all threads: a thread's new arena maps 64 MB of address space for a
-    # moment, which hides the data size's peak in the address space's (Watch.peak). The price:
+    # moment, which hides the data size's peak in the address space's (Watch.used). The price:
     # threads that allocate small objects at once wait for each other.
     with contextlib.suppress(OSError, AttributeError):  # (a C library without mallopt)
         ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
@@ -143,26 +143,32 @@ class Progress:
     """Where this rank is (which block's forward or backward, which step), for out-of-memory."""
     what = "building the model"
     step = None
+    forward = ()  # (Watch: the data size as each block's forward started, in the last forward)
 
-    def note(self, what):
+    def note(self, what, block=None):  # block: i at the forward of blocks.i
         self.what = what
-
-    def block_forward(self, name):
-        self.note(f"the forward of {name}")
 
     def track(self, model):
         def backward_next(name, module, args, output):
             if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
                 output.register_hook(lambda g: self.note(f"the backward of {name}"))
         for i, block in enumerate(model.blocks):
-            block.register_forward_pre_hook(lambda m, a, n=f"blocks.{i}": self.block_forward(n))
+            block.register_forward_pre_hook(
+                lambda m, a, i=i: self.note(f"the forward of blocks.{i}", block=i))
             block.register_forward_hook(functools.partial(backward_next, f"blocks.{i}"))
 
     def used(self):  # bytes allocated above the runtime at the most (Watch): unknown
         return -1
 
-    def per_block(self):  # what one more block adds (Watch): unknown
-        return 0
+    def per_block(self):
+        """Bytes one more block adds to what a rank holds beyond its model state: what the data
+        size grew by from one block's forward to the next in the last forward (activations kept
+        for backward; at stage 3 each sample also holds the block's unit and the one prefetched,
+        the same from block to block), on average. 0 where unknown: not under --max-memory on
+        CPU (Progress; on CUDA the search then takes the excess as flat, from the trials that
+        fitted)."""
+        f = self.forward
+        return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
 
 
 class Watch(Progress):
@@ -171,50 +177,31 @@ class Watch(Progress):
     the largest seen (data), and as each block's forward starts in the last forward (forward):
     from one block to the next it grows by what a block keeps for backward (per_block)."""
 
-    def start(self):  # what peak() starts from: the data size now, and the address space
+    def start(self):  # what used() starts from: the data size now, and the address space
         self.vm = _sizes()
         self.data = self.data0 = self.now = self.vm["VmData"]
-        self.forward = []
 
-    def note(self, what):
+    def note(self, what, block=None):
         super().note(what)
         self.now = _sizes()["VmData"]
         self.data = max(self.data, self.now)
+        if block is not None and torch.is_grad_enabled():  # blocks.0: a new forward
+            self.forward = [*self.forward, self.now] if block else [self.now]
 
-    def block_forward(self, name):
-        super().block_forward(name)
-        if torch.is_grad_enabled():
-            if name == "blocks.0":  # a new forward
-                self.forward = []
-            self.forward.append(self.now)
-
-    def per_block(self):
-        """Bytes one more block adds to what a rank holds beyond its model state: what the data
-        size grew by from one block's forward to the next in the last forward (activations kept
-        for backward; at stage 3 each sample also holds the block's unit and the one prefetched,
-        the same from block to block), on average. 0 where unknown: not under --max-memory on
-        CPU (on CUDA the search then takes the excess as flat, from the trials that fitted)."""
-        f = self.forward
-        return max(0, (f[-1] - f[0]) // (len(f) - 1)) if len(f) > 1 else 0
-
-    def used(self):  # the most this rank allocated above its runtime: the peak, less the start
-        return self.peak() - self.data0
-
-    def peak(self):
-        """The most data this rank had since the limit was set. Linux keeps no peak of it, but
-        keeps one of the whole address space (VmPeak): data plus what is not (code, mapped
-        files, the space malloc's arenas reserve). Training maps and unmaps data only
-        (limit_memory lets malloc make no new arena), so where what is not data is the same at
-        the end as when the limit was set, the peak of the address space less it is the peak of
-        the data. Sampling alone (note(), at each block's forward and backward) misses the peaks
-        in between: for the demo GPT at stage 3 under 200MB, by 6 MB, two of its blocks; peak()
-        put a run that fitted at 199.4 MB, and the next block out of memory. Where it cannot be
-        used (the address space did not grow past its peak from before the limit, or what is
-        not data changed), what was sampled."""
+    def used(self):
+        """The most data this rank had since the limit was set (its peak), less the data then.
+        Linux keeps no peak of it, but keeps one of the whole address space (VmPeak): data plus
+        what is not (code, mapped files, the space malloc's arenas reserve). Training maps and
+        unmaps data only (limit_memory lets malloc make no new arena), so where what is not data
+        is the same at the end as when the limit was set, the peak of the address space less it
+        is the peak of the data. Sampling alone (note(), at each block's forward and backward)
+        misses the peaks in between: for the demo GPT at stage 3 under 200MB, by 6 MB, two of
+        its blocks; this peak put a run that fitted at 199.4 MB, and the next block out of
+        memory. Where it cannot be used (the address space did not grow past its peak from
+        before the limit, or what is not data changed), what was sampled."""
         vm, not_data = _sizes(), lambda vm: vm["VmSize"] - vm["VmData"]  # noqa: E731
-        if vm["VmPeak"] > self.vm["VmPeak"] and not_data(vm) == not_data(self.vm):
-            return max(self.data, vm["VmPeak"] - not_data(vm))
-        return self.data
+        usable = vm["VmPeak"] > self.vm["VmPeak"] and not_data(vm) == not_data(self.vm)
+        return max(self.data, vm["VmPeak"] - not_data(vm) if usable else 0) - self.data0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,11 +417,10 @@ def _trial_rank(rank, world, port, argv, send):
         res = train(check_args(training_parser("").parse_args(argv)), quiet=True)
         send.send({"ok": True, "state": sum(res["peak"].values()), "runtime": res["runtime"],
                    "rest": res["used"] - sum(res["peak"].values()), "per_block": res["per_block"]})
-    except OutOfMemory as e:
-        send.send({"ok": False, "error": str(e)})
-    except BaseException as e:  # anything else: the trial's one line
-        first = (str(e).strip().splitlines() or [""])[0]  # its first line
-        send.send({"ok": False, "error": f"rank {rank}: {type(e).__name__}: {first[:200]}"})
+    except BaseException as e:  # the trial's one line: OutOfMemory's, else an error's first
+        first = (str(e).strip().splitlines() or [""])[0]
+        send.send({"ok": False, "error": first if isinstance(e, OutOfMemory) else
+                   f"rank {rank}: {type(e).__name__}: {first[:200]}"})
     os._exit(0)
 
 

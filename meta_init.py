@@ -48,29 +48,31 @@ def materialize(zero, init):
     last = {u: k for k, m in enumerate(modules)
             for u in [owner[p] for p in m.parameters(recurse=False) if p in owner]
             + [u for u in zero.units if m in (u.modules or [model])]}
-    was_meta = {id(p) for p in model.parameters() if p.is_meta}  # (its unit may be allocated)
-    # made: meta buffer -> its tensor (buffers may be shared); released: the storages of the
-    # units handed out
-    made, fresh, released = {}, [], []
+    # was_meta: the ids of the tensors built on the meta device (real once made here: a unit's
+    # parameters when it is allocated, a frozen parameter or a buffer at its first module)
+    was_meta = {id(t) for t in [*model.parameters(), *model.buffers()] if t.is_meta}
+    # fresh: the frozen parameters and buffers made here; released: the storages of the units
+    # handed out
+    fresh, released = [], []
     for k, m in enumerate(modules):
-        own_meta = [t for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-                    if t.is_meta or id(t) in was_meta]
-        if init is None and own_meta and not hasattr(m, "reset_parameters"):
+        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        if init is None and not hasattr(m, "reset_parameters") and any(
+                id(t) in was_meta for t in own):
             raise ValueError(f"zero: {names[m]} ({type(m).__name__}) has tensors on the meta "
                              "device and no reset_parameters(): initialize it by wrap(init=...)")
-        for p in m.parameters(recurse=False):
-            if p in owner and owner[p].flat.is_meta:
-                _materialize_unit(zero, owner[p])
-            elif p.is_meta:  # a frozen parameter: not sharded, held whole as in a normal build
-                _swap_in(p, _unset(torch.empty_like(p, device="cpu")))
-                fresh.append((p, tnames[p]))
-        for name, b in m._buffers.items():
-            if b is not None and (b.is_meta or b.device != zero.device):
-                if b not in made:
-                    made[b] = _unset(torch.empty_like(b, device="cpu")) if b.is_meta \
-                        else b.to(zero.device)
-                    fresh += [(made[b], tnames[b])] * b.is_meta
-                m._buffers[name] = made[b]
+        for t in own:
+            if t in owner and (u := owner[t]).flat.is_meta:  # its unit, allocated on the CPU:
+                u.flat = torch.zeros(u.flat.numel(), dtype=u.flat.dtype, device="cpu")
+                for p in u.params:  # each parameter becomes a view of the flat buffer, as in Unit()
+                    _swap_in(p, _unset(u.view(u.flat, p)))
+                zero.meter.event("materialized", u)
+            # a frozen parameter or a buffer (made once where two modules share it): not sharded,
+            # held whole as in a normal build
+            elif t.is_meta:
+                _swap_in(t, _unset(torch.empty_like(t, device="cpu")))
+                fresh.append((t, tnames[t]))
+            elif id(t) not in was_meta and t.device != zero.device:  # a buffer built off meta
+                t.data = t.data.to(zero.device)
         before = list(map(id, m.parameters(recurse=False)))  # (ids: == on tensors is per element)
         with torch.no_grad(), _NoWritesOutside(names[m], released):
             if init is not None:
@@ -125,13 +127,6 @@ class _NoWritesOutside(torch.overrides.TorchFunctionMode):
                                      f"that is {when} ({name}): init(module) may set the tensors "
                                      "of the module and its submodules, within one unit")
         return func(*args, **kwargs)
-
-
-def _materialize_unit(zero, unit):
-    unit.flat = torch.zeros(unit.flat.numel(), dtype=unit.flat.dtype, device="cpu")
-    for p in unit.params:  # each parameter becomes a view of the flat buffer, as in Unit()
-        _swap_in(p, _unset(unit.view(unit.flat, p)))
-    zero.meter.event("materialized", unit)
 
 
 def _swap_in(t, value):
