@@ -612,13 +612,11 @@ def row(m, res, detail):
 
 
 def run_lab(names, quick=False):
-    """Every rank runs the named mistakes (default all), in turn: {name: result}."""
+    """Every rank runs the named mistakes (default all), in turn: {name: result}. The ranks stay
+    in step: each mistake's collectives pair up, and eval-on-rank-0, whose rank 0 waits alone,
+    meets again at a barrier of its own (its hang's group abandoned)."""
     torch.set_num_threads(1)
-    results = {}
-    for name in names or MISTAKES:
-        results[name] = MISTAKES[name].run(quick)
-        dist.barrier()  # every rank done with this one (the hang's group, abandoned)
-    return results
+    return {name: MISTAKES[name].run(quick) for name in names or MISTAKES}
 
 
 def main(argv=None):
