@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, inspect, io, json, os, textwrap, time
+import collections, contextlib, functools, inspect, io, json, os, statistics, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -125,10 +125,9 @@ def rank_mean(model, x, y):  # the loss of the loop: the mean over this rank's r
     return loss_of(model, x, y, rows(dist.get_rank()))
 
 
-def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows)
-    t = t.detach().clone()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows):
+    # every rank's (zero.py's _all_ranks: one all-gather, in rank order), averaged
+    return statistics.mean(row[0] for row in zero._all_ranks([t.item()], "cpu", DTYPE))
 
 
 def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True,
