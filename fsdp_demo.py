@@ -112,8 +112,8 @@ def parallelize(model, args, device):
     # zero.ZeRO2 and zero.ZeRO3: FSDP2, as in PyTorch's FSDP2 example, each block, then the root,
     # on the meta device: fully_shard only records shapes there, and to_empty() (materialize)
     # then allocates each rank's shards and nothing more
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if args.bf16 else MixedPrecisionPolicy())
+    # (param_dtype: bf16 under --bf16, else the parameters' own; reduce_dtype: fp32 always)
+    mp_policy = MixedPrecisionPolicy(torch.bfloat16 if args.bf16 else None, torch.float32)
     # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
     # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
     G, world = args.shard_size, dist.get_world_size()
@@ -213,8 +213,10 @@ class CommCounter(TorchDispatchMode):
 # ----------------------------------------------------------------------------------------------
 # The adapter: PyTorch's model and optimizer behind zero.py's optimizer interface
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
+def _nbytes(tensors):  # zero._nbytes of the tensors among them (not None, nor a number): of a
+    # DTensor, its local shard
+    return zero._nbytes([t.to_local() if isinstance(t, DTensor) else t for t in tensors
+                         if torch.is_tensor(t)])
 
 
 class Torch:
@@ -248,10 +250,8 @@ class Torch:
         params = [p for p in self.model.parameters() if p.requires_grad]
         # ZeroRedundancyOptimizer: its local optimizer holds this rank's state
         local = getattr(self.optimizer, "optim", self.optimizer)
-        state = [v for s in local.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {"params": zero._nbytes([_local(p) for p in params]),
-                "grads": zero._nbytes([_local(p.grad) for p in params if p.grad is not None]),
-                "optimizer": zero._nbytes([_local(v) for v in state])}
+        return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in params),
+                "optimizer": _nbytes(v for s in local.state.values() for v in s.values())}
 
     def full_state_dict(self):
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
@@ -325,11 +325,14 @@ class Torch:
 # ----------------------------------------------------------------------------------------------
 # --compare: PyTorch's run, then zero.py's, in the same processes
 
-def report(res, args):
-    """zero.report() of a PyTorch run, and what its numbers mean beside zero.py's."""
-    if res is None:  # a checkpoint at --steps already: zero.train said so, nothing to report
-        return
-    zero.report(res, args)
+def compare(args, keep_params=False, zero_too=True):
+    """PyTorch's run, then (zero_too) zero.py's in the same processes; returns both results, or
+    None where only PyTorch's ran."""
+    _, world, _ = zero.setup(args.backend, args.device, args.timeout)
+    theirs = zero.train(args, pytorch(args, world), keep_params)
+    if theirs is None:  # a checkpoint at --steps already: zero.train said so, nothing to report
+        return None
+    zero.report(theirs, args)  # and what its numbers mean beside zero.py's
     if args.stage >= 2 and dist.get_backend() == "gloo":
         log("  (gloo: its reduce_scatter_tensor, which FSDP2 calls, all-reduces the whole input: "
             "on the wire\n   an all-reduce's bytes, twice the reduce_scatter's ring cost above)")
@@ -337,15 +340,7 @@ def report(res, args):
         log("  (--bf16: FSDP2's parameters are its fp32 shards, the master copy, and its gradients "
             "fp32 shards:\n   params 4Ψ/N, grads 4Ψ/N, optimizer 8Ψ/N, 16Ψ/N in all as the "
             "formula's; the bf16 copy of\n   a unit lives while it computes)")
-
-
-def compare(args, keep_params=False, zero_too=True):
-    """PyTorch's run, then (zero_too) zero.py's in the same processes; returns both results, or
-    None where only PyTorch's ran."""
-    _, world, _ = zero.setup(args.backend, args.device, args.timeout)
-    theirs = zero.train(args, pytorch(args, world), keep_params)
-    report(theirs, args)
-    if theirs is None or not zero_too:  # (None: nothing left to train)
+    if not zero_too:
         return None
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
     seen = Counter()
@@ -494,8 +489,7 @@ def main(argv=None):
             # FSDP2 is given one unit per block, DDP buckets its own
             (args.units != "block", "--units is zero.py's: fsdp_demo.py shards one unit per block"),
             # (at stages 0, 1 or with --bench: refused above)
-            (args.ckpt_dir and args.compare,
-             "--ckpt-dir is not for --compare: both runs would write there")]:
+            (args.ckpt_dir and args.compare, "--ckpt-dir and --compare: both runs write there")]:
         if bad:
             raise zero.UsageError(message)
     args.repeats = args.repeats or 3

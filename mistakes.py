@@ -49,7 +49,7 @@ wait with an error; the group is then abandoned and every rank meets again at a 
 The formulas are the ZeRO paper's (Rajbhandari et al., arXiv:1910.02054); zero.py is the code
 that gets each of these right, and its docstring the lesson on what each stage does.
 """
-import collections, contextlib, functools, inspect, io, json, os, textwrap, time
+import collections, contextlib, functools, inspect, io, json, os, statistics, textwrap, time
 from datetime import timedelta
 
 import torch
@@ -116,20 +116,18 @@ def rows(rank):
     return slice(rank * ROWS, (rank + 1) * ROWS)
 
 
-def loss_of(model, x, y, reduction="mean"):  # over the tokens given (targets -100 do not count:
-    # cross_entropy's default ignore_index)
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction=reduction)
+def loss_of(model, x, y, keep=slice(None), reduction="mean"):  # over the rows `keep` (all: the
+    # global batch), targets -100 not counted (cross_entropy's default ignore_index)
+    return F.cross_entropy(model(x[keep]).flatten(0, 1), y[keep].flatten(), reduction=reduction)
 
 
 def rank_mean(model, x, y):  # the loss of the loop: the mean over this rank's rows of the batch
-    mine = rows(dist.get_rank())
-    return loss_of(model, x[mine], y[mine])
+    return loss_of(model, x, y, rows(dist.get_rank()))
 
 
-def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows)
-    t = t.detach().clone()
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows):
+    # every rank's (zero.py's _all_ranks: one all-gather, in rank order), averaged
+    return statistics.mean(row[0] for row in zero._all_ranks([t.item()], "cpu", DTYPE))
 
 
 def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True,
@@ -190,7 +188,7 @@ def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dty
     opt.clip_grad_norm_ = functools.partial(nn.utils.clip_grad_norm_, list(model.parameters()))
     keep = rows(only) if only is not None else slice(None)  # every row: the global batch
     losses = train(model, opt, steps, clip, accum, masked=masked, mean=torch.Tensor.item,
-                   loss=lambda model, x, y: loss_of(model, x[keep], y[keep]))
+                   loss=lambda model, x, y: loss_of(model, x, y, keep))
     return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
@@ -215,9 +213,9 @@ def spread(model):
 
 def peak_bytes(wrong, right, kind, steps, accum=1):
     """The wrong and the right class's peak bytes of `kind` (zero.py's Meter, opt.peak) and
-    their distances to the reference (detail: both train right); the note: the formula's bytes,
-    at the stage the right code reaches and at the one the mistake falls back to (fp64 AdamW: 8
-    bytes a parameter, 8 a gradient, 16 of m and v)."""
+    their distances to the reference (the detail: a mistake that costs memory may train right);
+    the note: the formula's bytes, at the stage the right code reaches and at the one the mistake
+    falls back to (fp64 AdamW: 8 bytes a parameter, 8 a gradient, 16 of m and v)."""
     wrong, right = (trained(cls, steps, accum=accum) for cls in (wrong, right))
     (stage, extra), fallen = {"grads": ((2, "in flight"), 1), "params": ((3, "gathered"), 0)}[kind]
     formula = {s: zero.memory_formula(s, right.opt.psi, dist.get_world_size(), 8, 8, 16)[kind]
@@ -226,8 +224,8 @@ def peak_bytes(wrong, right, kind, steps, accum=1):
             "wrong_distance": wrong.distance, "right_distance": right.distance,
             "note": f"formula, {kind}: stage {stage} {formula[stage]:,.0f} B (+ the units "
                     f"{extra}), stage {fallen} {formula[fallen]:,.0f} B",
-            "detail": [f"trains right all the same: distance to the reference {wrong.distance:.1e} "
-                       f"(right {right.distance:.1e})"]}
+            "detail": [f"distance to the reference: wrong {wrong.distance:.2e}, right "
+                       f"{right.distance:.1e}"]}
 
 
 def first_line(e):
@@ -325,10 +323,7 @@ def no_sync_stage_2(quick):
     stage 1's memory, and more. Here it also loses the first micro-batch: ZeRO2 keeps no
     p.grad to add to, so the next backward overwrites it. ZeRO2 reduce-scatters in every
     backward."""
-    out = peak_bytes(NoSyncKeepsGradients, zero.ZeRO2, "grads", 2 if quick else 3, accum=2)
-    out["detail"] = [f"distance to the reference (2 micro-batches a step): wrong "
-                     f"{out['wrong_distance']:.2e}, right {out['right_distance']:.1e}"]
-    return out
+    return peak_bytes(NoSyncKeepsGradients, zero.ZeRO2, "grads", 2 if quick else 3, accum=2)
 
 
 # --- stage 3: gather what computes ------------------------------------------------------------
@@ -447,7 +442,7 @@ def same_batch(quick):
     ref_one = reference(SGD, steps, only=0).params  # one process on rank 0's rows alone
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
     wrong, right = (trained(zero.ZeRO1, steps, SGD, loss=loss) for loss in [
-        lambda model, x, y: loss_of(model, x[rows(0)], y[rows(0)]), rank_mean])
+        lambda model, x, y: loss_of(model, x, y, rows(0)), rank_mean])
     out = {"wrong": wrong.distance, "right": right.distance,  # to the global batch's reference
            "wrong_one": distance(wrong.opt, ref_one), "right_one": distance(right.opt, ref_one)}
     out["detail"] = [f"distance to one process on rank 0's rows alone: wrong "
@@ -462,11 +457,11 @@ def token_mean_per_rank(quick):
     batch more than one of a long batch. Sum the tokens' losses; divide by the global count."""
     world, steps = dist.get_world_size(), 3 if quick else STEPS
 
-    def token_sum(model, x, y):  # the sum over this rank's tokens / the global count; x N:
-        x, y = x[rows(dist.get_rank())], y[rows(dist.get_rank())]  # zero.py divides by N
-        tokens = torch.tensor(float((y != -100).sum()), dtype=DTYPE)
+    def token_sum(model, x, y):  # the sum over this rank's tokens / the global count, x N:
+        mine = rows(dist.get_rank())  # zero.py divides by N
+        tokens = torch.tensor(float((y[mine] != -100).sum()), dtype=DTYPE)
         dist.all_reduce(tokens)
-        return loss_of(model, x, y, reduction="sum") * world / tokens
+        return loss_of(model, x, y, mine, "sum") * world / tokens
 
     # WRONG: rank_mean, the loop's loss: the mean over this rank's tokens. (The reference's:
     # the mean over every token.)
@@ -616,13 +611,11 @@ def row(m, res, detail):
 
 
 def run_lab(names, quick=False):
-    """Every rank runs the named mistakes (default all), in turn: {name: result}."""
+    """Every rank runs the named mistakes (default all), in turn: {name: result}. The ranks stay
+    in step: each mistake's collectives pair up, and eval-on-rank-0, whose rank 0 waits alone,
+    meets again at a barrier of its own (its hang's group abandoned)."""
     torch.set_num_threads(1)
-    results = {}
-    for name in names or MISTAKES:
-        results[name] = MISTAKES[name].run(quick)
-        dist.barrier()  # every rank done with this one (the hang's group, abandoned)
-    return results
+    return {name: MISTAKES[name].run(quick) for name in names or MISTAKES}
 
 
 def main(argv=None):
@@ -633,24 +626,22 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print the names and stages, and exit")
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE (default: none)")
     args = p.parse_args(argv)
-    for name in args.names:
-        if name not in MISTAKES:
-            raise zero.UsageError(f"no mistake named {name!r}; see `python mistakes.py --list`")
-    if args.json == "":  # (else no file, and no word of it)
-        raise zero.UsageError("--json '': an empty name")
-    if args.list and args.names:
-        raise zero.UsageError("--list prints every mistake: not with names")
+    unknown = next((name for name in args.names if name not in MISTAKES), None)
+    where = os.path.dirname(args.json or "") or "."  # --json's directory
+    for bad, message in [
+            (unknown is not None, f"no mistake named {unknown!r}; see `python mistakes.py --list`"),
+            (args.json == "", "--json '': an empty name"),  # (else no file, and no word of it)
+            (args.list and args.names, "--list prints every mistake: not with names"),
+            (args.json and os.path.isdir(args.json), f"--json {args.json}: is a directory"),
+            (args.json and not os.path.isdir(where), f"--json {args.json}: no directory {where}"),
+            (args.json and not writable(where), f"--json {args.json}: cannot write in {where}")]:
+        if bad:
+            raise zero.UsageError(message)
     if args.list:
         for m in MISTAKES.values():
             word = "stages" if "-" in m.stages else "stage "
             print(f"{m.name:<22} {word} {m.stages:<4} (runs at {m.stage}): {m.measure}")
         return
-    if args.json:
-        where = os.path.dirname(args.json) or "."
-        if os.path.isdir(args.json) or not os.path.isdir(where) or not writable(where):
-            raise zero.UsageError(f"--json {args.json}: " + (
-                "is a directory" if os.path.isdir(args.json) else f"no directory {where}"
-                if not os.path.isdir(where) else f"cannot write in {where}"))
     start = time.perf_counter()
     rank, world, _ = zero.setup(backend="gloo", device="cpu")
     if world < 2:  # one rank has nothing to reduce, replicate or hang on: every row reads 0
