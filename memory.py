@@ -64,6 +64,12 @@ def _sizes(path="/proc/self/status"):
                 if v.strip().endswith(" kB")}
 
 
+def _available():  # the machine's available memory (MemAvailable), infinite where unknown
+    with contextlib.suppress(OSError, KeyError):  # (not Linux; --max-memory's trials say why)
+        return _sizes("/proc/meminfo")["MemAvailable"]
+    return float("inf")
+
+
 def limit_memory(size, device, watch=None):
     """From now on this rank may allocate `size` bytes beyond what it holds now (its runtime:
     Python, torch, the process group). CPU: RLIMIT_DATA, the limit Linux puts on a process's
@@ -186,7 +192,9 @@ class Watch(Progress):
         self.now = _sizes()["VmData"]
         self.data = max(self.data, self.now)
         if block is not None and torch.is_grad_enabled():  # blocks.0: a new forward
-            self.forward = [*self.forward, self.now] if block else [self.now]
+            if block == 0:
+                self.forward = []
+            self.forward.append(self.now)  # (appended, not rebuilt: up to 4,096 blocks)
 
     def used(self):
         """The most data this rank had since the limit was set (its peak), less the data then.
@@ -250,8 +258,7 @@ def check_fits(args, world, device):
         have = torch.cuda.get_device_properties(device).total_memory
         ranks = -(-ranks // torch.cuda.device_count())
     else:
-        with contextlib.suppress(OSError, KeyError):
-            have = _sizes("/proc/meminfo")["MemAvailable"]
+        have = _available()
     if need * ranks > have:
         raise UsageError(f"this model needs at least {_si(need)}B per rank (stage {args.stage}'s "
                          f"formula, Ψ = {psi:,}, and logits) x {ranks} rank(s): over {_si(have)}B")
@@ -267,7 +274,7 @@ def largest_model(args):
     cuda = args.device == "cuda" or args.device is None and args.backend != "gloo" and gpu_each(N)
     # on CPU tensors (as choose_device would put them) the N ranks share this machine's memory:
     # with less than they may take, the kernel would stop the trials, not the limit
-    if not cuda and N * args.max_memory > (free := _sizes("/proc/meminfo")["MemAvailable"]):
+    if not cuda and N * args.max_memory > (free := _available()):
         raise UsageError(f"--largest-model: {N} ranks x --max-memory {_si(args.max_memory)}B is "
                          f"more than this machine's available memory ({_si(free)}B)")
 
@@ -371,8 +378,9 @@ def _trial(args, stage, layers):
     pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
     procs = [ctx.Process(target=_trial_rank, args=(str(r), str(args.world_size), port, argv, send))
              for r, (_, send) in enumerate(pipes)]
-    for p in procs:
+    for p, (_, send) in zip(procs, pipes):
         p.start()
+        send.close()  # the rank holds it now: one that dies is its pipe's EOF (_collect)
     try:
         results = _collect(pipes, procs, time.time() + 120 + 4 * args.timeout)
     finally:
@@ -399,7 +407,8 @@ def _collect(pipes, procs, deadline):
             r = waiting.pop(recv)
             try:
                 results[r] = recv.recv()
-            except EOFError:
+            except EOFError:  # (the rank is gone: reaped, its exit code is known)
+                procs[r].join(timeout=10)
                 results[r] = {"ok": False, "error": f"rank {r} died: exit code {procs[r].exitcode}"}
             over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
     return results

@@ -271,6 +271,18 @@ def test_trial_reports_that_arrive_together_are_all_read():
     assert sorted(memory._collect(pipes, procs=[None] * 3, deadline=time.time() + 60)) == [0, 1, 2]
 
 
+def test_a_trial_rank_that_dies_is_named_at_once(monkeypatch):
+    # The parent kept each pipe's sending end open, so a rank killed outright (the OOM killer, a
+    # segfault) was no EOF: the trial waited out its deadline, then said "no answer"
+    import multiprocessing as mp
+    monkeypatch.setattr(memory, "get_context", lambda _: mp.get_context("fork"))
+    monkeypatch.setattr(memory, "_trial_rank", lambda *_: os._exit(3))  # (fork: the child's too)
+    args = zero.training_parser("").parse_args(["--timeout", "1", "--max-memory", "1GB"])
+    args.world_size = 2
+    with pytest.raises(zero.UsageError, match=r"a trial failed .*: rank 0 died: exit code 3$"):
+        memory._trial(args, 1, 2)
+
+
 @pytest.mark.parametrize("excess", ["none", "growing", "steep", "stage3_heavier"])
 def test_largest_model_finds_the_wall_of_each_stage(monkeypatch, capsys, excess):
     # The search (a guess from the formula and what the trials that fitted measured, then a
