@@ -585,10 +585,10 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     for name, value in (("step", step), ("keep", keep)):
         if not _count(value):
             raise ValueError(f"zero: save_checkpoint's {name} must be an int >= 0, not {value!r}")
-    try:  # (rank 0 writes it into the manifest, where a load reads a dict)
-        if not isinstance(extra or {}, dict):
-            raise TypeError(f"a {type(extra).__name__}")
-        json.dumps(extra or {})
+    # (rank 0 writes it into the manifest, where a load reads a dict: {**extra} copies a mapping
+    # and refuses anything else, a list or a str, with a TypeError)
+    try:
+        json.dumps(extra := {**(extra or {})})
     except (TypeError, ValueError) as e:
         raise ValueError(f"zero: save_checkpoint's extra must be a JSON dict: {e}") from None
     path, tmp = _partial(root, step, opt.device)
@@ -612,7 +612,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
     manifest = {"format": FORMAT, "step": step, **layout(opt),
                 "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files,
-                "extra": extra or {}}
+                "extra": extra}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(tmp, "manifest.json")
     with _agreed(opt.device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
