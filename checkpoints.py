@@ -846,12 +846,12 @@ def consolidate(path, out, kind):
     manifest, parts = read_checkpoint(path)
     try:
         masters = dict(checkpoint_tensors(manifest, parts))
-        tensors = masters | parts[0]["replicated"]
-        state, own = {}, {}
-        for key, name in manifest["keys"]:  # a tied weight: one tensor under both keys, as in
-            t = own[name] if name in own else _own_storage(tensors[name])  # state_dict(): .pt
-            state[key] = t.clone() if kind == "safetensors" and name in own else t  # writes it
-            own[name] = t  # once; safetensors wants two copies
+        own = {n: _own_storage(t) for n, t in (masters | parts[0]["replicated"]).items()}
+        # a tied weight: one tensor under both keys, as in state_dict() (.pt writes it once);
+        # safetensors wants a copy under each key but the first
+        first = {name: key for key, name in reversed(manifest["keys"])}
+        state = {key: own[name].clone() if kind == "safetensors" and key != first[name] else
+                 own[name] for key, name in manifest["keys"]}
     except _LAYOUT_ERRORS as e:
         raise CheckpointError(_not_laid_out(path, e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
