@@ -913,8 +913,8 @@ def is_dcp(path):
 
 def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):  # (a checkpoint, or a directory of them, is a directory)
+        raise CheckpointError(f"{path}: {'not a' if os.path.exists(path) else 'no such'} directory")
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     if (found := latest_checkpoint(path)) is None:
@@ -1043,9 +1043,6 @@ def consolidate_command(args):
                f"cannot write in {where}" if not writable(where) else None)
     if problem:
         raise UsageError(f"--out {out}: {problem}")
-    if not os.path.isdir(args.consolidate):
-        raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
-            args.consolidate) else "no such directory") + ": --consolidate takes a directory")
     path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
     if is_dcp(path):
         raise CheckpointError(f"{path}: a DCP checkpoint, not zero.py's: use dcp_to_torch_save")
