@@ -111,14 +111,13 @@ def load_own_part(zero, state):
                 layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
             raise CheckpointError("load_state_dict() takes this rank's state_dict() of this model "
                                   "and optimizer at this stage and N; else use load_checkpoint()")
-        if problem := _part_problem(state, q, layout(zero)):  # (edited since state_dict())
+        if problem := _part_problem(state, q, state["layout"]):  # (edited since state_dict())
             raise CheckpointError(f"load_state_dict(): this rank's state_dict {problem}")
         one_group_each(state.get("hyper"), zero.optimizer)
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
-    # all-gathered from each one's own; None for the parts of the others.
+    # all-gathered from each one's own; the others' are not needed.
     ranks = range(zero.world) if zero.stage == 0 else range(zero.rank % zero.N, zero.world, zero.N)
-    parts = [None] * zero.world
 
     def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
         if len(ranks) == 1:  # this rank's own part only
@@ -127,8 +126,8 @@ def load_own_part(zero, state):
         all_gather(every, t.to(zero.device), group=zero.replica_group)  # (stage 0: None, all ranks)
         return every.cpu().view(len(ranks), -1)
     units = tree_map(gather, state["units"])  # each tensor of each unit: master, each state
-    for j, r in enumerate(ranks):  # (what _reader reads of a part: its units)
-        parts[part_index(r, zero.world, zero.N)] = {"units": tree_map(lambda t: t[j], units)}
+    parts = {part_index(r, zero.world, zero.N): {"units": tree_map(lambda t: t[j], units)}
+             for j, r in enumerate(ranks)}  # (what _reader reads of a part: its units)
     # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
     # parameters and buffers: rank 0's own (None elsewhere), then broadcast
     load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
@@ -140,11 +139,12 @@ def load_own_part(zero, state):
 def _reader(parts, written):
     """read(name, lo, hi, key): elements [lo, hi) of a parameter (by name, flattened) of its
     master weights (key "master") or of an optimizer state, which the writer (its layout()
-    `written`) cut into len(parts) parts of each unit: a view where one part holds them all,
-    else a copy. A part without state: the optimizer had none there (zeros)."""
+    `written`) cut into its world_size parts of each unit (parts[q]: part q; only those read
+    need be there): a view where one part holds them all, else a copy. A part without state: the
+    optimizer had none there (zeros)."""
     where = {}  # parameter name -> (writer's unit, offset in its flat, the unit's part size S)
     for i, params in enumerate(written["units"]):
-        o, S = 0, -(-sum(math.prod(s) for _, s in params) // len(parts))
+        o, S = 0, -(-sum(math.prod(s) for _, s in params) // written["world_size"])
         for name, shape in params:
             where[name], o = (i, o, S), o + math.prod(shape)
 
