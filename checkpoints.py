@@ -184,11 +184,11 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
             if any(len({_canonical(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
                 split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
             chunks = (t.split([piece.numel() for piece in u.pieces]) for t in values.values())
+            # (the parameters of a piece have the same scalars: its first one's)
             for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
-                p = owners[0]  # (the parameters of a piece have the same scalars)
-                if names[p] in scalars:  # the optimizer has state for p (it was stepped)
+                if (n := names[owners[0]]) in scalars:  # the optimizer has state (it was stepped)
                     state[piece] = dict(zip(values, chunk)) | tree_map_only(
-                        torch.Tensor, torch.clone, scalars[names[p]])  # the scalars: copies
+                        torch.Tensor, torch.clone, scalars[n])  # the scalars: copies
         if frozen is not None:
             for n, t in replicated(zero.model):
                 t.copy_(frozen[n])
