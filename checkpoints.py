@@ -458,8 +458,7 @@ def _steps(root):
 
 def latest_checkpoint(root):
     """The newest complete checkpoint directory under root, or None."""
-    found = _steps(root)
-    return found[max(found)] if found else None
+    return max(_steps(root).items(), default=(None, None))[1]  # (step, directory): the highest
 
 
 def choose_checkpoint(root, device):
