@@ -609,9 +609,8 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
              for r, (n, *sha256) in enumerate(_all_ranks([size, *digest], opt.device))}
     first = {id(p): n for n, p in opt.model.named_parameters()}  # a tied parameter's first name
     keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
-    manifest = {"format": FORMAT, "step": step, **layout(opt),
-                "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files,
-                "extra": extra}
+    manifest = {"format": FORMAT, "step": step, **layout(opt), "extra": extra,
+                "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(tmp, "manifest.json")
     with _agreed(opt.device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
