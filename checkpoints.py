@@ -960,11 +960,10 @@ def read_dcp(path):
 
 
 def _dcp_ends(metadata):
-    """{file: its length that DCP's index (metadata) needs}"""
-    ends = {}
-    for item in metadata.storage_data.values():
-        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-    return ends
+    """{file: its length that DCP's index (metadata) needs}: of its items, the one that ends
+    last (sorted by their ends, each file's last one is the one the dictionary keeps)."""
+    items = sorted(metadata.storage_data.values(), key=lambda item: item.offset + item.length)
+    return {item.relative_path: item.offset + item.length for item in items}
 
 
 def _marker_problem(d):  # what is wrong with a DCP marker's contents (read_dcp), or None
