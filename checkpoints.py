@@ -17,8 +17,8 @@ zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpo
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
 --init-from.
 """
-import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shutil, sys, \
-    tempfile, warnings, zipfile
+import contextlib, functools, hashlib, itertools, json, math, os, pathlib, re, shutil, \
+    sys, tempfile, warnings, zipfile
 
 import torch
 import torch.distributed as dist
@@ -684,9 +684,8 @@ def _manifest_problem(m):
     if set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:  # (a dict's keys: each once)
         return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
                 f"not {', '.join(map(repr, sorted(files)))[:200]}")
-    sha256 = lambda h: text(h) and len(h) == 64 and set(h) <= set("0123456789abcdef")  # noqa: E731
-    for file, entry in files.items():
-        if not _pair(entry, _count, sha256):
+    for file, entry in files.items():  # [size, sha256: 64 hex digits]
+        if not _pair(entry, _count, lambda h: text(h) and re.fullmatch("[0-9a-f]{64}", h)):
             return f"'files' entry {file}: not [size, sha256 in hex]"
 
 
