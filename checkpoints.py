@@ -564,8 +564,8 @@ def _rotate(root, step, keep):
     complete ones, but never the one just written (`step`, even if older), the temporary
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
     directories of saves killed midway (_partial: this one's is renamed by now)."""
-    found = sorted(_steps(root))  # (the one just written among them, unless removed since)
-    kept = found[max(len(found) - keep, 0):]  # (keep=0: none but `step`; found[-0:] is all)
+    # the newest `keep` (the one just written among them, unless removed since; keep=0: none)
+    kept = sorted(_steps(root), reverse=True)[:keep]
     oldest = min(kept, default=step)  # the oldest kept
     for name in os.listdir(root):
         s = _step_of(name.removesuffix(".partial"))
