@@ -910,8 +910,9 @@ def is_dcp(path):
 
 def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
-    if not os.path.isdir(path):  # (a checkpoint, or a directory of them, is a directory)
-        raise CheckpointError(f"{path}: {'not a' if os.path.exists(path) else 'no such'} directory")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: {'not a' if os.path.exists(path) else 'no such'} directory "
+                              "(a checkpoint, or one that holds checkpoints)")
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     if (found := latest_checkpoint(path)) is None:
