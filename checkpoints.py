@@ -487,11 +487,10 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None)
         error = say(e)
     # every rank's message ("": none), 512 bytes of it, to every rank
     raw = error.encode(errors="backslashreplace")[:512]  # (a path's bytes not UTF-8: escaped)
-    rows = _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8)
-    first = next((row for row in rows if any(row)), [])  # the first rank's that has one
-    if error := bytes(first).rstrip(b"\0").decode(errors="replace"):
-        undo()
-        raise kind(error) from None
+    for row in _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8):
+        if any(row):  # the first rank's that has one
+            undo()
+            raise kind(bytes(row).rstrip(b"\0").decode(errors="replace")) from None
 
 
 def _reason(e):
