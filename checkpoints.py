@@ -1029,15 +1029,14 @@ def consolidate_command(args):
             "pt" if name.endswith((".pt", ".pth")) else
             "dcp" if name.endswith(".dcp") or name != out or os.path.isdir(out) else None)
     where = os.path.dirname(name) or "."
-    problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
-               "is a directory" if os.path.isdir(out) and kind != "dcp" else
-               "ends in /: a .pt or .safetensors is a file" if name != out and kind != "dcp" else
-               "is a file" if os.path.isfile(name) and kind == "dcp" else
-               "a directory that is neither empty nor a DCP checkpoint"
-               if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
-               f"no directory {where}" if not os.path.isdir(where) else
-               f"cannot write in {where}" if not writable(where) else None)
-    if problem:
+    if problem := ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
+                   "is a directory" if os.path.isdir(out) and kind != "dcp" else
+                   "ends in /: .pt and .safetensors are files" if name != out and kind != "dcp" else
+                   "is a file" if os.path.isfile(name) and kind == "dcp" else
+                   "a directory that is neither empty nor a DCP checkpoint"
+                   if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
+                   f"no directory {where}" if not os.path.isdir(where) else
+                   f"cannot write in {where}" if not writable(where) else None):
         raise UsageError(f"--out {out}: {problem}")
     path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
     if is_dcp(path):
