@@ -385,13 +385,12 @@ def _exchange(a, b):
     whole at a)."""
     import ctypes
     libc, AT_FDCWD, RENAME_EXCHANGE = ctypes.CDLL(None), -100, 2
-    if hasattr(libc, "renameat2") and libc.renameat2(
-            AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return
-    # (a file system or kernel without it, EINVAL or ENOSYS; any real error, the renames raise)
-    os.rename(b, a + ".old")
-    os.rename(a, b)
-    os.rename(a + ".old", a)
+    if not hasattr(libc, "renameat2") or libc.renameat2(
+            AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        # (a file system or kernel without it, EINVAL or ENOSYS; any real error, the renames raise)
+        os.rename(b, a + ".old")
+        os.rename(a, b)
+        os.rename(a + ".old", a)
 
 
 def _commit(tmp, path, marker, info, keep=None):
