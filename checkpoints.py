@@ -17,8 +17,8 @@ zero._all_ranks and zero.split_pieces. zero.py imports this file where a checkpo
 needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --consolidate,
 --init-from.
 """
-import contextlib, functools, hashlib, itertools, json, math, os, pathlib, shutil, sys, \
-    tempfile, warnings, zipfile
+import contextlib, functools, hashlib, itertools, json, math, os, pathlib, re, shutil, \
+    sys, tempfile, warnings, zipfile
 
 import torch
 import torch.distributed as dist
@@ -111,14 +111,13 @@ def load_own_part(zero, state):
                 layout(zero) or state.get("optimizer") != type(zero.optimizer).__name__:
             raise CheckpointError("load_state_dict() takes this rank's state_dict() of this model "
                                   "and optimizer at this stage and N; else use load_checkpoint()")
-        if problem := _part_problem(state, q, layout(zero)):  # (edited since state_dict())
+        if problem := _part_problem(state, q, state["layout"]):  # (edited since state_dict())
             raise CheckpointError(f"load_state_dict(): this rank's state_dict {problem}")
         one_group_each(state.get("hyper"), zero.optimizer)
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
-    # all-gathered from each one's own; None for the parts of the others.
+    # all-gathered from each one's own; the others' are not needed.
     ranks = range(zero.world) if zero.stage == 0 else range(zero.rank % zero.N, zero.world, zero.N)
-    parts = [None] * zero.world
 
     def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
         if len(ranks) == 1:  # this rank's own part only
@@ -127,8 +126,8 @@ def load_own_part(zero, state):
         all_gather(every, t.to(zero.device), group=zero.replica_group)  # (stage 0: None, all ranks)
         return every.cpu().view(len(ranks), -1)
     units = tree_map(gather, state["units"])  # each tensor of each unit: master, each state
-    for j, r in enumerate(ranks):  # (what _reader reads of a part: its units)
-        parts[part_index(r, zero.world, zero.N)] = {"units": tree_map(lambda t: t[j], units)}
+    parts = {part_index(r, zero.world, zero.N): {"units": tree_map(lambda t: t[j], units)}
+             for j, r in enumerate(ranks)}  # (what _reader reads of a part: its units)
     # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
     # parameters and buffers: rank 0's own (None elsewhere), then broadcast
     load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
@@ -140,11 +139,12 @@ def load_own_part(zero, state):
 def _reader(parts, written):
     """read(name, lo, hi, key): elements [lo, hi) of a parameter (by name, flattened) of its
     master weights (key "master") or of an optimizer state, which the writer (its layout()
-    `written`) cut into len(parts) parts of each unit: a view where one part holds them all,
-    else a copy. A part without state: the optimizer had none there (zeros)."""
+    `written`) cut into its world_size parts of each unit (parts[q]: part q; only those read
+    need be there): a view where one part holds them all, else a copy. A part without state: the
+    optimizer had none there (zeros)."""
     where = {}  # parameter name -> (writer's unit, offset in its flat, the unit's part size S)
     for i, params in enumerate(written["units"]):
-        o, S = 0, -(-sum(math.prod(s) for _, s in params) // len(parts))
+        o, S = 0, -(-sum(math.prod(s) for _, s in params) // written["world_size"])
         for name, shape in params:
             where[name], o = (i, o, S), o + math.prod(shape)
 
@@ -184,11 +184,11 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
             if any(len({_canonical(scalars.get(names[p])) for p in o}) > 1 for o in u.owners):
                 split_pieces(zero, [u])  # parameters of one piece stepped apart: one piece each
             chunks = (t.split([piece.numel() for piece in u.pieces]) for t in values.values())
+            # (the parameters of a piece have the same scalars: its first one's)
             for piece, owners, *chunk in zip(u.pieces, u.owners, *chunks):
-                p = owners[0]  # (the parameters of a piece have the same scalars)
-                if names[p] in scalars:  # the optimizer has state for p (it was stepped)
+                if (n := names[owners[0]]) in scalars:  # the optimizer has state (it was stepped)
                     state[piece] = dict(zip(values, chunk)) | tree_map_only(
-                        torch.Tensor, torch.clone, scalars[names[p]])  # the scalars: copies
+                        torch.Tensor, torch.clone, scalars[n])  # the scalars: copies
         if frozen is not None:
             for n, t in replicated(zero.model):
                 t.copy_(frozen[n])
@@ -385,13 +385,12 @@ def _exchange(a, b):
     whole at a)."""
     import ctypes
     libc, AT_FDCWD, RENAME_EXCHANGE = ctypes.CDLL(None), -100, 2
-    if hasattr(libc, "renameat2") and libc.renameat2(
-            AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
-        return
-    # (a file system or kernel without it, EINVAL or ENOSYS; any real error, the renames raise)
-    os.rename(b, a + ".old")
-    os.rename(a, b)
-    os.rename(a + ".old", a)
+    if not hasattr(libc, "renameat2") or libc.renameat2(
+            AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        # (a file system or kernel without it, EINVAL or ENOSYS; any real error, the renames raise)
+        os.rename(b, a + ".old")
+        os.rename(a, b)
+        os.rename(a + ".old", a)
 
 
 def _commit(tmp, path, marker, info, keep=None):
@@ -458,8 +457,7 @@ def _steps(root):
 
 def latest_checkpoint(root):
     """The newest complete checkpoint directory under root, or None."""
-    found = _steps(root)
-    return found[max(found)] if found else None
+    return max(_steps(root).items(), default=(None, None))[1]  # (step, directory): the highest
 
 
 def choose_checkpoint(root, device):
@@ -488,11 +486,10 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None)
         error = say(e)
     # every rank's message ("": none), 512 bytes of it, to every rank
     raw = error.encode(errors="backslashreplace")[:512]  # (a path's bytes not UTF-8: escaped)
-    rows = _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8)
-    first = next((row for row in rows if any(row)), [])  # the first rank's that has one
-    if error := bytes(first).rstrip(b"\0").decode(errors="replace"):
-        undo()
-        raise kind(error) from None
+    for row in _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8):
+        if any(row):  # the first rank's that has one
+            undo()
+            raise kind(bytes(row).rstrip(b"\0").decode(errors="replace")) from None
 
 
 def _reason(e):
@@ -565,8 +562,8 @@ def _rotate(root, step, keep):
     complete ones, but never the one just written (`step`, even if older), the temporary
     files that saves killed midway left in the checkpoints kept, and the STEP.partial
     directories of saves killed midway (_partial: this one's is renamed by now)."""
-    found = sorted(_steps(root))  # (the one just written among them, unless removed since)
-    kept = found[max(len(found) - keep, 0):]  # (keep=0: none but `step`; found[-0:] is all)
+    # the newest `keep` (the one just written among them, unless removed since; keep=0: none)
+    kept = sorted(_steps(root), reverse=True)[:keep]
     oldest = min(kept, default=step)  # the oldest kept
     for name in os.listdir(root):
         s = _step_of(name.removesuffix(".partial"))
@@ -585,10 +582,10 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     for name, value in (("step", step), ("keep", keep)):
         if not _count(value):
             raise ValueError(f"zero: save_checkpoint's {name} must be an int >= 0, not {value!r}")
-    try:  # (rank 0 writes it into the manifest, where a load reads a dict)
-        if not isinstance(extra or {}, dict):
-            raise TypeError(f"a {type(extra).__name__}")
-        json.dumps(extra or {})
+    # (rank 0 writes it into the manifest, where a load reads a dict: {**extra} copies a mapping
+    # and refuses anything else, a list or a str, with a TypeError)
+    try:
+        json.dumps(extra := {**(extra or {})})
     except (TypeError, ValueError) as e:
         raise ValueError(f"zero: save_checkpoint's extra must be a JSON dict: {e}") from None
     path, tmp = _partial(root, step, opt.device)
@@ -610,9 +607,8 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
              for r, (n, *sha256) in enumerate(_all_ranks([size, *digest], opt.device))}
     first = {id(p): n for n, p in opt.model.named_parameters()}  # a tied parameter's first name
     keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
-    manifest = {"format": FORMAT, "step": step, **layout(opt),
-                "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files,
-                "extra": extra or {}}
+    manifest = {"format": FORMAT, "step": step, **layout(opt), "extra": extra,
+                "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(tmp, "manifest.json")
     with _agreed(opt.device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
@@ -686,9 +682,8 @@ def _manifest_problem(m):
     if set(files) != {f"rank_{r:05d}.pt" for r in range(n)}:  # (a dict's keys: each once)
         return (f"'files' must be exactly rank_00000.pt ... rank_{n - 1:05d}.pt (world_size {n}), "
                 f"not {', '.join(map(repr, sorted(files)))[:200]}")
-    sha256 = lambda h: text(h) and len(h) == 64 and set(h) <= set("0123456789abcdef")  # noqa: E731
-    for file, entry in files.items():
-        if not _pair(entry, _count, sha256):
+    for file, entry in files.items():  # [size, sha256: 64 hex digits]
+        if not _pair(entry, _count, lambda h: text(h) and re.fullmatch("[0-9a-f]{64}", h)):
             return f"'files' entry {file}: not [size, sha256 in hex]"
 
 
@@ -846,12 +841,12 @@ def consolidate(path, out, kind):
     manifest, parts = read_checkpoint(path)
     try:
         masters = dict(checkpoint_tensors(manifest, parts))
-        tensors = masters | parts[0]["replicated"]
-        state, own = {}, {}
-        for key, name in manifest["keys"]:  # a tied weight: one tensor under both keys, as in
-            t = own[name] if name in own else _own_storage(tensors[name])  # state_dict(): .pt
-            state[key] = t.clone() if kind == "safetensors" and name in own else t  # writes it
-            own[name] = t  # once; safetensors wants two copies
+        own = {n: _own_storage(t) for n, t in (masters | parts[0]["replicated"]).items()}
+        # a tied weight: one tensor under both keys, as in state_dict() (.pt writes it once);
+        # safetensors wants a copy under each key but the first
+        first = {name: key for key, name in reversed(manifest["keys"])}
+        state = {key: own[name].clone() if kind == "safetensors" and key != first[name] else
+                 own[name] for key, name in manifest["keys"]}
     except _LAYOUT_ERRORS as e:
         raise CheckpointError(_not_laid_out(path, e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
@@ -913,8 +908,9 @@ def is_dcp(path):
 
 def checkpoint_path(path):
     """path itself if it is a checkpoint of either format, else the newest complete one in it."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: {'not a' if os.path.exists(path) else 'no such'} directory "
+                              "(a checkpoint, or one that holds checkpoints)")
     if os.path.exists(os.path.join(path, "manifest.json")) or is_dcp(path):
         return path
     if (found := latest_checkpoint(path)) is None:
@@ -962,11 +958,10 @@ def read_dcp(path):
 
 
 def _dcp_ends(metadata):
-    """{file: its length that DCP's index (metadata) needs}"""
-    ends = {}
-    for item in metadata.storage_data.values():
-        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
-    return ends
+    """{file: its length that DCP's index (metadata) needs}: of its items, the one that ends
+    last (sorted by their ends, each file's last one is the one the dictionary keeps)."""
+    items = sorted(metadata.storage_data.values(), key=lambda item: item.offset + item.length)
+    return {item.relative_path: item.offset + item.length for item in items}
 
 
 def _marker_problem(d):  # what is wrong with a DCP marker's contents (read_dcp), or None
@@ -1033,19 +1028,15 @@ def consolidate_command(args):
             "pt" if name.endswith((".pt", ".pth")) else
             "dcp" if name.endswith(".dcp") or name != out or os.path.isdir(out) else None)
     where = os.path.dirname(name) or "."
-    problem = ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
-               "is a directory" if os.path.isdir(out) and kind != "dcp" else
-               "ends in /: a .pt or .safetensors is a file" if name != out and kind != "dcp" else
-               "is a file" if os.path.isfile(name) and kind == "dcp" else
-               "a directory that is neither empty nor a DCP checkpoint"
-               if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
-               f"no directory {where}" if not os.path.isdir(where) else
-               f"cannot write in {where}" if not writable(where) else None)
-    if problem:
+    if problem := ("name a .pt or .safetensors file, or a .dcp directory" if kind is None else
+                   "is a directory" if os.path.isdir(out) and kind != "dcp" else
+                   "ends in /: .pt and .safetensors are files" if name != out and kind != "dcp" else
+                   "is a file" if os.path.isfile(name) and kind == "dcp" else
+                   "a directory that is neither empty nor a DCP checkpoint"
+                   if os.path.isdir(out) and os.listdir(out) and not is_dcp(out) else
+                   f"no directory {where}" if not os.path.isdir(where) else
+                   f"cannot write in {where}" if not writable(where) else None):
         raise UsageError(f"--out {out}: {problem}")
-    if not os.path.isdir(args.consolidate):
-        raise CheckpointError(f"{args.consolidate}: " + ("not a directory" if os.path.exists(
-            args.consolidate) else "no such directory") + ": --consolidate takes a directory")
     path = checkpoint_path(args.consolidate)  # it, or the newest complete checkpoint in it
     if is_dcp(path):
         raise CheckpointError(f"{path}: a DCP checkpoint, not zero.py's: use dcp_to_torch_save")

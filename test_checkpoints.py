@@ -704,7 +704,8 @@ def test_node_local_directories_are_refused_at_save_and_at_resume(abused):
             assert ranks[rank][case].endswith(f": rank {other} reads another checkpoint there "
                                               "than this rank (each node's own copy?): every "
                                               "rank must load the same one")
-        assert ranks[rank]["missing"].endswith("gone: no such file or directory")
+        assert ranks[rank]["missing"].endswith("gone: no such directory (a checkpoint, or one "
+                                               "that holds checkpoints)")
 
 
 def test_a_job_on_a_directory_in_use_is_refused_and_a_dead_jobs_lock_is_not(one_rank, tmp_path):
