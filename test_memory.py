@@ -227,7 +227,7 @@ PEAK_BETWEEN_SAMPLES = Early("\n".join([
 
 def test_peak_data_sees_a_peak_between_samples():
     # Under --max-memory the data size is sampled at each block's forward and backward (note());
-    # a tensor made and freed between two samples is missed there, not by Watch.peak(), which
+    # a tensor made and freed between two samples is missed there, not by Watch.used(), which
     # takes the peak from Linux's peak of the address space.
     out = PEAK_BETWEEN_SAMPLES.result()
     assert out.returncode == 0, out.stderr
