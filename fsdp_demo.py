@@ -113,7 +113,8 @@ def parallelize(model, args, device):
     # on the meta device: fully_shard only records shapes there, and to_empty() (materialize)
     # then allocates each rank's shards and nothing more
     # (param_dtype: bf16 under --bf16, else the parameters' own; reduce_dtype: fp32 always)
-    mp_policy = MixedPrecisionPolicy(torch.bfloat16 if args.bf16 else None, torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None,
+                                     reduce_dtype=torch.float32)
     # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
     # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
     G, world = args.shard_size, dist.get_world_size()
