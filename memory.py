@@ -387,8 +387,10 @@ def _trial(args, stage, layers):
         for p in procs:
             p.kill()
             p.join()
-    # the ranks' reports of failure; where none failed but a rank never answered, that one
-    failed = [results[r] for r in sorted(results) if not results[r]["ok"]] or [
+    # the ranks' reports of failure, a rank that died first (the others fail in its wake); where
+    # none failed but a rank never answered, that one
+    failed = sorted((results[r] for r in sorted(results) if not results[r]["ok"]),
+                    key=lambda f: " died: " not in f["error"]) or [
         {"ok": False, "error": "no answer before the deadline"}] * (len(results) < args.world_size)
     oom = [f for f in failed if "out of memory" in f["error"] or "MemoryError" in f["error"]]
     if failed and not oom:
@@ -399,8 +401,8 @@ def _trial(args, stage, layers):
 
 def _collect(pipes, procs, deadline):
     """{rank: its report} from the trial's pipes, until every rank has reported, one has run out
-    of memory (its trial is over: the others only wait for it) or the deadline passes. Several
-    ranks may report at once (wait() returns all that are ready): every one is read."""
+    of memory or died (its trial is over: the others only wait for it) or the deadline passes.
+    Several ranks may report at once (wait() returns all that are ready): every one is read."""
     results, waiting, over = {}, {recv: r for r, (recv, _) in enumerate(pipes)}, False
     while waiting and not over and time.time() < deadline:
         for recv in connection.wait(list(waiting), timeout=1):
@@ -409,8 +411,10 @@ def _collect(pipes, procs, deadline):
                 results[r] = recv.recv()
             except EOFError:  # (the rank is gone: reaped, its exit code is known)
                 procs[r].join(timeout=10)
-                results[r] = {"ok": False, "error": f"rank {r} died: exit code {procs[r].exitcode}"}
-            over = over or (not results[r]["ok"] and "out of memory" in results[r]["error"])
+                code = procs[r].exitcode  # (-9: SIGKILL, as the kernel's OOM killer sends)
+                results[r] = {"ok": False, "error": f"rank {r} died: exit code {code}"}
+            over = over or not results[r]["ok"] and any(
+                what in results[r]["error"] for what in ("out of memory", " died: "))
     return results
 
 

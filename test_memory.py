@@ -273,13 +273,23 @@ def test_trial_reports_that_arrive_together_are_all_read():
 
 def test_a_trial_rank_that_dies_is_named_at_once(monkeypatch):
     # The parent kept each pipe's sending end open, so a rank killed outright (the OOM killer, a
-    # segfault) was no EOF: the trial waited out its deadline, then said "no answer"
+    # segfault) was no EOF, and only a rank out of memory ended a trial early: it waited out its
+    # deadline, then said "no answer". Rank 1 dies here while rank 0 fails in its wake (a closed
+    # connection) and would wait on: the trial ends at once, naming rank 1's death first.
     import multiprocessing as mp
+
+    def rank_fn(rank, world, port, argv, send):
+        os.closerange(3, send.fileno())  # (forked: only its own pipe, as a spawned rank holds)
+        os.closerange(send.fileno() + 1, 1 << 16)
+        if rank == "1":
+            os._exit(3)
+        send.send({"ok": False, "error": "rank 0: RuntimeError: Connection closed by peer"})
+        time.sleep(600)
     monkeypatch.setattr(memory, "get_context", lambda _: mp.get_context("fork"))
-    monkeypatch.setattr(memory, "_trial_rank", lambda *_: os._exit(3))  # (fork: the child's too)
+    monkeypatch.setattr(memory, "_trial_rank", rank_fn)  # (fork: the child's too)
     args = zero.training_parser("").parse_args(["--timeout", "1", "--max-memory", "1GB"])
     args.world_size = 2
-    with pytest.raises(zero.UsageError, match=r"a trial failed .*: rank 0 died: exit code 3$"):
+    with pytest.raises(zero.UsageError, match=r"a trial failed .*: rank 1 died: exit code 3$"):
         memory._trial(args, 1, 2)
 
 
