@@ -132,6 +132,8 @@ def test_cluster_estimate_names_what_fits_and_binds():
     assert step[1, 8, False] == step[2, 8, False] and "verdict: stage 2 with G = 8" in out
     out = main_printed(zero.main, SEVEN_B + ["--cluster", "gpu_memory=1e9"])
     assert "verdict: no stage fits in gpu_memory" in out and "memory binds" in out
+    out = main_printed(zero.main, SEVEN_B + ["--cluster", "", "--stage", "0"])  # 112 GB a rank
+    assert "verdict: stage 0 does not fit in gpu_memory" in out and "or another stage)" in out
 
 
 def test_hybrid_sharding_wins_stage_3_back_over_slow_links():

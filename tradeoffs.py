@@ -327,8 +327,10 @@ def predict_cluster(args, psi, world, cluster, stages=range(4)):
           "communication on the same GPU")
     fitting = [r for r in rows if r[3]]
     if not fitting:
-        print("verdict: no stage fits in gpu_memory, with or without checkpointing: memory "
-              "binds (more ranks, or a smaller micro-batch)")
+        which = "no stage fits" if len(stages) == 4 else f"stage {stages[0]} does not fit"
+        print(f"verdict: {which} in gpu_memory, with or without checkpointing: memory binds (more "
+              "ranks, or a smaller micro-batch" + (", or another stage)" if len(stages) < 4 else
+                                                  ")"))
         return rows
     best = max(fitting, key=lambda r: (r[4], -r[6]))  # of equal speed, the least memory
     stage, G, ckpt, _, tps, t, _ = best
