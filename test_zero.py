@@ -2549,8 +2549,8 @@ def test_each_rank_computes_where_it_should(gpus, capsys):
     assert gpus(2, 4) == ("gloo", "cpu") and capsys.readouterr().err == ""
     assert gpus(1, 4, backend="gloo", device="cuda") == ("gloo", "cuda:0")  # sharing one GPU
     for n, local_world, backend, device, message in [(2, 4, "nccl", None, "NCCL needs one CUDA"),
-                                                     (0, 1, None, "cuda", "device cuda: zero.py"),
-                                                     (1, 1, None, "xpu", "cpu, or cuda where")]:
+                                                     (0, 1, None, "cuda", "--device cuda: no CUDA"),
+                                                     (1, 1, None, "xpu", "xpu: zero.py computes on")]:
         with pytest.raises(zero.UsageError, match=message):
             gpus(n, local_world, backend=backend, device=device)
 

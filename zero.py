@@ -607,7 +607,8 @@ def choose_device(backend, device):
                 "(--backend gloo --device cuda shares the GPUs)")
     backend = backend or ("nccl" if device == "cuda" and own else "gloo")
     if device not in ("cpu", "cuda") or device == "cuda" and gpus == 0:
-        raise UsageError(f"device {device}: zero.py computes on cpu, or cuda where a GPU is seen")
+        raise UsageError(f"--device {device}: " + ("no CUDA GPU is visible" if device == "cuda"
+                                                   else "zero.py computes on cpu or cuda"))
     if backend == "nccl" and (device != "cuda" or not own):
         raise UsageError(f"NCCL needs one CUDA GPU per local rank: {local_world} local rank(s), "
                          f"{gpus} GPU(s); use --backend gloo (add --device cuda to share GPUs)")
