@@ -1895,13 +1895,26 @@ def test_wrap_refuses_a_bad_option_in_one_line(option, says):
 
 def test_units_that_cannot_be_units_are_refused(one_rank):
     # the model itself; at stage 3 a module without a forward (a ModuleList: its members were
-    # refused at their first read, as 'sharded and not gathered', though in their unit)
+    # refused at their first read, as 'sharded and not gathered', though in their unit). By
+    # default such a module is no unit: its children are (a container class of one's own too)
     model = Net(seed=0)
     for stage, units, says in [(1, [model], "every unit must be a submodule of the model"),
-                               (3, [model.blocks], "a ModuleList has none; list its own")]:
-        with pytest.raises(ValueError, match=f"^zero: .*{re.escape(says)}"):
+                               (3, [model.blocks], "unit blocks (ModuleList) has no forward")]:
+        with pytest.raises(ValueError, match=f"^zero: {re.escape(says)}"):
             zero.wrap(model, stage, torch.optim.SGD, units=units)
     zero.wrap(model, 2, functools.partial(torch.optim.SGD, lr=0.1), units=[model.blocks])
+
+    class Holder(nn.Module):  # no forward: the model computes with its members
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    model = nn.Sequential(Holder(), nn.Linear(D, D))
+    model.forward = lambda x: model[1](model[0].b(model[0].a(x)))
+    assert zero.default_units(model) == [model[0].a, model[0].b, model[1]]
+    opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))
+    model(torch.randn(B, D)).sum().backward()  # (a unit Holder: 'a.weight is sharded...')
+    opt.step()
 
 
 def test_a_unit_of_two_dtypes_is_refused_naming_them():

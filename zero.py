@@ -705,10 +705,10 @@ def default_units(model):
     return units or _trainable_children(model)
 
 
-def _trainable_children(module):
-    return [u for child in module.children() for u in (
-        _trainable_children(child) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else
-        [] if isinstance(child, (nn.ParameterList, nn.ParameterDict)) else  # (no forward: root's)
+def _trainable_children(module):  # a child with no forward (ModuleList...) is not one: its own
+    return [u for child in module.children() for u in (  # children are (its parameters: root's)
+        [] if isinstance(child, (nn.ParameterList, nn.ParameterDict)) else
+        _trainable_children(child) if type(child).forward is nn.Module.forward else
         [child] * any(p.requires_grad for p in child.parameters()))]
 
 
@@ -727,6 +727,8 @@ def make_units(zero, model, modules):
               for n, p in m.named_parameters(prefix=name, recurse=False) if p.requires_grad]
     renorm = [name or "the model" for name, m in model.named_modules()  # (frozen ones too)
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    shells = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if zero.stage == 3
+              and type(m).forward is nn.Module.forward and any(m is u for u in modules)]
     for bad, message in [
             (zero.buffers not in ("broadcast", "none"),
              f"buffers must be 'broadcast' or 'none', not {zero.buffers!r}"),
@@ -746,8 +748,8 @@ def make_units(zero, model, modules):
              f"{real[0][1].device}: build the whole model under torch.device('meta')"),
             (any(id(m) not in inside for m in modules),
              "every unit must be a submodule of the model (not the model itself)"),
-            (zero.stage == 3 and any(type(m).forward is nn.Module.forward for m in modules),
-             "stage 3 gathers a unit as its forward starts: a ModuleList has none; list its own"),
+            (shells, f"unit {shells[0] if shells else ''} has no forward: stage 3 gathers a unit "
+             "as its forward starts; give its members as units"),
             (sparse, sparse and f"{sparse[0][0]} would get sparse gradients ({sparse[0][1]}, "
              "sparse=True): zero.py reduces dense ones in flat buffers; use sparse=False"),
             (renorm, renorm and f"{renorm[0]} has max_norm: each rank's forward rewrites the rows "
