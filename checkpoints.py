@@ -114,6 +114,9 @@ def load_own_part(zero, state):
         if problem := _part_problem(state, q, state["layout"]):  # (edited since state_dict())
             raise CheckpointError(f"load_state_dict(): this rank's state_dict {problem}")
         one_group_each(state.get("hyper"), zero.optimizer)
+    # (the same states, in one order, on every rank: else gathered into each other's places)
+    same_on_every_rank({"optimizer states": [list(u["state"]) for u in state["units"]]},
+                       zero.device, "zero: load_state_dict(): ")
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
     # all-gathered from each one's own; the others' are not needed.
