@@ -631,7 +631,8 @@ def main(argv=None):
     for bad, message in [
             (unknown is not None, f"no mistake named {unknown!r}; see `python mistakes.py --list`"),
             (args.json == "", "--json '': an empty name"),  # (else no file, and no word of it)
-            (args.list and args.names, "--list prints every mistake: not with names"),
+            (args.list and (args.names or args.json), "--list prints every name: not with names "
+             "or --json"),
             (args.json and os.path.isdir(args.json), f"--json {args.json}: is a directory"),
             (args.json and not os.path.isdir(where), f"--json {args.json}: no directory {where}"),
             (args.json and not writable(where), f"--json {args.json}: cannot write in {where}")]:

@@ -109,6 +109,7 @@ def test_the_mistakes_lab_command_line(ran, shared, refused, one_rank):
                           (["--json", os.path.join(shared, "none", "x.json")], "no directory"),
                           (["--json", "/proc/x.json"], "cannot write in /proc"),  # (root too)
                           (["--list", "no-divide-sgd"], "not with names"),
+                          (["--list", "--json", "x.json"], "not with names or --json"),
                           (["--json", ""], "--json '': an empty name"),
                           (["no-divide-sgd"], "2 or more ranks")]:  # one_rank: a group of one
         error, out = main_refused(mistakes.main, argv)
