@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 import checkpoints
 import zero
-from conftest import (B, CASES, CKPT, CUDA_RUNS, EARLY, SMALL, TINY, Early, Net,
+from conftest import (B, CASES, CKPT, CUDA_RUNS, D, EARLY, SMALL, TINY, Early, Net,
                       assert_trains_like, full_checkpoint, launcher_script, losses, main_printed,
                       main_refused, run_id, run_py, run_steps, scenario, wrapped)
 from test_zero import (TASKS_OPTIMIZER, Tasks, TwoDtypes, tasks_reference, tasks_steps,
@@ -910,6 +910,44 @@ def test_consolidate_to_safetensors_on_a_full_disk_is_one_line(one_rank, tmp_pat
         checkpoints.consolidate(str(tmp_path / "ckpt" / "step_00000001"),
                                 str(tmp_path / "m.safetensors"), "safetensors")
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+class SharedBuffer(nn.Module):
+    """Two blocks that share one buffer (one tensor under two state_dict keys)."""
+
+    def __init__(self, scale=2.0):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+        self.blocks[0].register_buffer("scale", torch.full((D,), scale))
+        self.blocks[1].register_buffer("scale", self.blocks[0].scale)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * block.scale
+        return x
+
+
+def test_a_buffer_shared_by_two_modules_saves_loads_and_consolidates(one_rank, tmp_path):
+    # The manifest named a shared buffer's second key, which its table of buffers (one name a
+    # tensor) lacks: the checkpoint saved, then neither loaded nor consolidated
+    import safetensors.torch
+    model = SharedBuffer()
+    opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))
+    model(torch.randn(B, D)).sum().backward()
+    opt.step()
+    checkpoints.save_checkpoint(opt, str(tmp_path / "ckpt"), 1)
+    path = checkpoints.latest_checkpoint(str(tmp_path / "ckpt"))
+    other = SharedBuffer(scale=5.0)
+    opt2 = zero.wrap(other, 1, functools.partial(torch.optim.SGD, lr=0.1))
+    checkpoints.load_checkpoint(opt2, path)
+    assert other.blocks[1].scale is other.blocks[0].scale and other.blocks[1].scale[0] == 2
+    want = opt.full_state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in opt2.full_state_dict().items())
+    for kind in ("pt", "safetensors"):
+        out = str(tmp_path / f"m.{kind}")
+        checkpoints.consolidate(path, out, kind)
+        state = torch.load(out) if kind == "pt" else safetensors.torch.load_file(out)
+        assert torch.equal(state["blocks.1.scale"], torch.full((D,), 2.0))
 
 
 def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):
