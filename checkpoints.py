@@ -1112,8 +1112,8 @@ def read_state_dict(path, device=None):
         return state
     if os.path.exists(path) and not os.path.isfile(path):  # (a FIFO: reading could wait for ever)
         raise UsageError(f"--init-from {path}: " + (
-            "a directory; it takes a .pt or .safetensors file (dcp_to_torch_save makes a .pt of a "
-            "DCP directory)" if os.path.isdir(path) else "not a regular file"))
+            "a directory; it takes a .pt or .safetensors file (--consolidate or dcp_to_torch_save "
+            "makes one)" if os.path.isdir(path) else "not a regular file"))
     try:  # (torch.load reads safetensors files too, but only from torch 2.12; both memory-map)
         state = (safetensors.torch.load_file(path) if path.endswith(".safetensors") else
                  torch.load(path, map_location="cpu", weights_only=True, mmap=True))

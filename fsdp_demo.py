@@ -490,7 +490,7 @@ def main(argv=None):
             # FSDP2 is given one unit per block, DDP buckets its own
             (args.units != "block", "--units is zero.py's: fsdp_demo.py shards one unit per block"),
             # (at stages 0, 1 or with --bench: refused above)
-            (args.ckpt_dir and args.compare, "--ckpt-dir and --compare: both runs write there")]:
+            (args.ckpt_dir and args.compare, "--ckpt-dir and --compare: both would write there")]:
         if bad:
             raise zero.UsageError(message)
     args.repeats = args.repeats or 3

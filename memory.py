@@ -674,7 +674,7 @@ def check_timeline_args(args):
     from checkpoints import writable  # (the files: checkpoints.py's)
     if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):
         raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
-                         if not os.path.isdir(path) else f"{path} is a directory")
+                         if not os.path.isdir(path) else f"cannot write {path}: it is a directory")
     if not path.endswith(".svg"):
         raise UsageError(f"{path}: the timeline is an SVG picture: name it FILE.svg")
     args.record_step = args.steps  # the last step's events
