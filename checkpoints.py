@@ -113,7 +113,7 @@ def load_own_part(zero, state):
                                   "and optimizer at this stage and N; else use load_checkpoint()")
         if problem := _part_problem(state, q, state["layout"]):  # (edited since state_dict())
             raise CheckpointError(f"load_state_dict(): this rank's state_dict {problem}")
-        one_group_each(state.get("hyper"), zero.optimizer)
+        another_optimizer(state["optimizer"], state.get("hyper"), zero.optimizer)
     # (the same states, in one order, on every rank: else gathered into each other's places)
     same_on_every_rank({"optimizer states": [list(u["state"]) for u in state["units"]]},
                        zero.device, "zero: load_state_dict(): ")
@@ -220,8 +220,7 @@ def check_checkpoint(zero, parts, written):
             if set(unit["state"]) not in (keys, set()):
                 raise CheckpointError(f"checkpoint part of rank {r}, unit {i}: optimizer state "
                                       f"{sorted(unit['state'])}, other parts have {sorted(keys)}")
-    another_optimizer(parts[0].get("optimizer"), zero.optimizer)
-    one_group_each(parts[0].get("hyper"), zero.optimizer)
+    another_optimizer(parts[0].get("optimizer"), parts[0].get("hyper"), zero.optimizer)
 
 
 def another_model(here, there, kind="tensor"):
@@ -233,16 +232,12 @@ def another_model(here, there, kind="tensor"):
                                   f"{there.get(n, 'absent')} there, {here.get(n, 'absent')} here")
 
 
-def another_optimizer(written, optimizer):
+def another_optimizer(written, hyper, optimizer):
     """Raise CheckpointError unless `written`, the optimizer's class name that a checkpoint
-    records, is optimizer's."""
+    records, is optimizer's, and `hyper`, its hyper-parameters, holds those of each of the
+    optimizer's groups (a dict each: load_values would fail after loading the weights)."""
     if written != (mine := type(optimizer).__name__):
         raise CheckpointError(f"checkpoint written with optimizer {written}, this run has {mine}")
-
-
-def one_group_each(hyper, optimizer):
-    """Raise CheckpointError unless `hyper`, a checkpoint's, holds the hyper-parameters of each
-    of the optimizer's groups (a dict each): load_values would fail after loading the weights."""
     if type(hyper) is not list or list(map(type, hyper)) != [dict] * len(optimizer.param_groups):
         raise CheckpointError("the checkpoint's hyper-parameters are not a dictionary for each "
                               f"of the optimizer's {len(optimizer.param_groups)} group(s)")
@@ -983,8 +978,7 @@ def check_dcp(model, optimizer, info, tensors, path):
     here = {k: list(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     another_model(here, {k.removeprefix("model."): list(t.shape) for k, t in tensors.items()
                          if k.startswith("model.")})
-    another_optimizer(info["optimizer"], optimizer)
-    one_group_each(info.get("hyper"), optimizer)
+    another_optimizer(info["optimizer"], info.get("hyper"), optimizer)
     return keys
 
 

@@ -287,7 +287,8 @@ class Torch:
                 # each name's shape: a sharded parameter's, else a replicated tensor's
                 shapes = {**info["replicated"], **{n: s for unit in info["units"] for n, s in unit}}
                 checkpoints.another_model(here, {k: shapes.get(n) for k, n in info["keys"]})
-                checkpoints.another_optimizer(info["optimizer"], self.optimizer)
+                checkpoints.another_optimizer(info["optimizer"], parts[0].get("hyper"),
+                                              self.optimizer)
         if checkpoints.is_dcp(path):
             state = self._state()  # torch's own way: the state_dict as a template, filled in place
             dcp.load(state, checkpoint_id=path)
