@@ -1637,10 +1637,13 @@ def test_ranks_that_reduce_different_units_stop_before_the_step(real_runs, stage
 
 
 def test_default_units_find_the_blocks_at_any_depth():
-    class Block(nn.Module):
+    class Block(nn.Module):  # (a block with a forward: one without is a container, no unit)
         def __init__(self):
             super().__init__()
             self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.mlp(self.attn(x))
 
     class GPT2Like(nn.Module):  # Hugging Face: model.transformer.h, a ModuleList
         def __init__(self):
@@ -1915,6 +1918,13 @@ def test_units_that_cannot_be_units_are_refused(one_rank):
     opt = zero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))
     model(torch.randn(B, D)).sum().backward()  # (a unit Holder: 'a.weight is sharded...')
     opt.step()
+    # nor repeated blocks of them (their members are), and a forward set on the module is one
+    holders = nn.ModuleList([Holder(), Holder()])
+    assert zero.default_units(nn.Sequential(holders)) == [m for h in holders for m in (h.a, h.b)]
+    own = Holder()
+    own.forward = lambda x: own.b(own.a(x))
+    assert zero.default_units(nn.Sequential(own, nn.Linear(D, D)))[0] is own
+    assert not zero.no_forward(own) and zero.no_forward(holders)
 
 
 def test_a_unit_of_two_dtypes_is_refused_naming_them():
@@ -2562,8 +2572,8 @@ def test_each_rank_computes_where_it_should(gpus, capsys):
     assert gpus(2, 4) == ("gloo", "cpu") and capsys.readouterr().err == ""
     assert gpus(1, 4, backend="gloo", device="cuda") == ("gloo", "cuda:0")  # sharing one GPU
     for n, local_world, backend, device, message in [(2, 4, "nccl", None, "NCCL needs one CUDA"),
-                                                     (0, 1, None, "cuda", "--device cuda: no CUDA"),
-                                                     (1, 1, None, "xpu", "xpu: zero.py computes on")]:
+                                                     (0, 1, None, "cuda", "--device cuda: no"),
+                                                     (1, 1, None, "xpu", "xpu: zero.py computes")]:
         with pytest.raises(zero.UsageError, match=message):
             gpus(n, local_world, backend=backend, device=device)
 

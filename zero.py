@@ -698,7 +698,7 @@ def default_units(model):
     for name, m in model.named_modules():
         members = list(m) if isinstance(m, (nn.ModuleList, nn.Sequential)) else []
         if not any(name.startswith(t + ".") for t in taken) and len(members) >= 2 and len(
-                {type(b) for b in members}) == 1 and all(any(
+                {type(b) for b in members}) == 1 and not no_forward(members[0]) and all(any(
                 p.requires_grad for p in b.parameters()) for b in members):
             units += members
             taken.add(name)
@@ -708,8 +708,12 @@ def default_units(model):
 def _trainable_children(module):  # a child with no forward (ModuleList...) is not one: its own
     return [u for child in module.children() for u in (  # children are (its parameters: root's)
         [] if isinstance(child, (nn.ParameterList, nn.ParameterDict)) else
-        _trainable_children(child) if type(child).forward is nn.Module.forward else
+        _trainable_children(child) if no_forward(child) else
         [child] * any(p.requires_grad for p in child.parameters()))]
+
+
+def no_forward(module):  # a container (ModuleList...): its forward is nn.Module's, which raises
+    return getattr(module.forward, "__func__", None) is nn.Module.forward  # (one set on it: not)
 
 
 def make_units(zero, model, modules):
@@ -728,7 +732,7 @@ def make_units(zero, model, modules):
     renorm = [name or "the model" for name, m in model.named_modules()  # (frozen ones too)
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
     shells = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if zero.stage == 3
-              and type(m).forward is nn.Module.forward and any(m is u for u in modules)]
+              and no_forward(m) and any(m is u for u in modules)]
     for bad, message in [
             (zero.buffers not in ("broadcast", "none"),
              f"buffers must be 'broadcast' or 'none', not {zero.buffers!r}"),
