@@ -114,13 +114,15 @@ def load_own_part(zero, state):
         if problem := _part_problem(state, q, state["layout"]):  # (edited since state_dict())
             raise CheckpointError(f"load_state_dict(): this rank's state_dict {problem}")
         another_optimizer(state["optimizer"], state.get("hyper"), zero.optimizer)
-    # (the same states, in one order, on every rank: else gathered into each other's places)
-    same_on_every_rank({"optimizer states": [list(u["state"]) for u in state["units"]]},
-                       zero.device, "zero: load_state_dict(): ")
     # the ranks that wrote what this rank steps: at stage 0 all of them; from stage 1 this one,
     # and with hybrid sharding its replicas (the ranks of its replica group). Their parts are
     # all-gathered from each one's own; the others' are not needed.
     ranks = range(zero.world) if zero.stage == 0 else range(zero.rank % zero.N, zero.world, zero.N)
+    # Stage 0: every rank steps all, so the same states in one order (else one rank's edit gathers
+    # exp_avg into exp_avg_sq's place); from stage 1, a rank lacks those of what it never stepped
+    if zero.stage == 0:
+        same_on_every_rank({f"unit {i}'s optimizer states": list(u["state"]) for i, u in
+                            enumerate(state["units"])}, zero.device, "zero: load_state_dict(): ")
 
     def gather(t):  # [len(ranks), numel]: row j is rank ranks[j]'s t
         if len(ranks) == 1:  # this rank's own part only
