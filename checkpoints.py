@@ -605,8 +605,9 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     # also the barrier that makes every rank's file durable before the manifest is written.
     files = {f"rank_{part_index(r, opt.world, opt.N):05d}.pt": [n, bytes(sha256).hex()]
              for r, (n, *sha256) in enumerate(_all_ranks([size, *digest], opt.device))}
-    first = {id(t): n for n, t in replicated(opt.model) + list(opt.model.named_parameters())}
-    # (a tied parameter's or a shared buffer's first name: what layout() lists)
+    # a tied parameter's or a shared buffer's first name (named_*() give each tensor once), as
+    # layout() lists them
+    first = {id(t): n for n, t in [*opt.model.named_parameters(), *opt.model.named_buffers()]}
     keys = [[k, first.get(id(t), k)] for k, t in opt.model.state_dict(keep_vars=True).items()]
     manifest = {"format": FORMAT, "step": step, **layout(opt), "extra": extra,
                 "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files}
