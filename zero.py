@@ -655,9 +655,7 @@ AGREED = ("param_dtype", "reduce_dtype", "overlap", "bucket_bytes", "check_steps
 
 def configure(zero, model, options):
     """wrap()'s set-up that is not the algorithm: options, units, device, Ψ, meter, checks."""
-    for name in set(options) - {f.name for f in dataclasses.fields(Options)}:
-        raise ValueError(f"zero: wrap() has no option {name!r}: see Options")
-    o = Options(**options)
+    o = Options(**options)  # (an unknown option: a TypeError that names it, as any call's)
     if not dist.is_initialized():  # a group for this model's device: torchrun's, or of one
         built = {p.device.type for p in model.parameters()} - {"meta"}
         setup(device=built.pop() if len(built) == 1 else o.device and torch.device(o.device).type)
@@ -1782,15 +1780,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a {'whole ' * (kind is int)}number") from None
-        if not 0 < value < float("inf"):
+    def parse(text):  # (not a number: argparse says "invalid positive int value: '2.5'")
+        if not 0 < (value := kind(text)) < float("inf"):
             raise argparse.ArgumentTypeError(f"{text!r} must be positive")
         return value
+    parse.__name__ = f"positive {kind.__name__}"
     return parse
 
 
