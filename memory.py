@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zero import GPT, STAGE_NAMES, OutOfMemory, UsageError, bytes_per_parameter, check_args, \
     formula_symbols, gpu_each, log0, memory_formula, train, training_parser
+from checkpoints import writable, write_file  # (the files: checkpoints.py's)
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
@@ -251,14 +252,12 @@ def check_fits(args, world, device):
     available, shared by the local ranks; a GPU: its own, shared by the ranks on it)."""
     psi = _psi(args, args.n_layer)
     need = _formula(args, args.stage, psi, world) + 8 * args.batch_size * args.seq_len * 256
-    # have: the memory there is, infinite where it is not known (not Linux: no floor to hold the
-    # model against)
-    ranks, have = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), float("inf")
+    # have: the memory there is: the machine's available memory (infinite where it is not known,
+    # not Linux: no floor to hold the model against), on a GPU the GPU's own
+    ranks, have = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), _available()
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
         ranks = -(-ranks // torch.cuda.device_count())
-    else:
-        have = _available()
     if need * ranks > have:
         raise UsageError(f"this model needs at least {_si(need)}B per rank (stage {args.stage}'s "
                          f"formula, Ψ = {psi:,}, and logits) x {ranks} rank(s): over {_si(have)}B")
@@ -411,8 +410,8 @@ def _collect(pipes, procs, deadline):
                 results[r] = recv.recv()
             except EOFError:  # (the rank is gone: reaped, its exit code is known)
                 procs[r].join(timeout=10)
-                code = procs[r].exitcode  # (-9: SIGKILL, as the kernel's OOM killer sends)
-                results[r] = {"ok": False, "error": f"rank {r} died: exit code {code}"}
+                # (exit code -9: SIGKILL, as the kernel's OOM killer sends)
+                results[r] = dict(ok=False, error=f"rank {r} died: exit code {procs[r].exitcode}")
             over = over or not results[r]["ok"] and any(
                 what in results[r]["error"] for what in ("out of memory", " died: "))
     return results
@@ -644,7 +643,6 @@ def show_timeline(panels, path):
     """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
     if dist.get_rank() == 0:
         print("\n" + timeline_text(panels), flush=True)
-        from checkpoints import write_file  # (the files: checkpoints.py's)
         write_file(path, timeline_svg(panels))
         print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
 
@@ -671,7 +669,6 @@ def check_timeline_args(args):
     if args.timeline_all and (args.ckpt_dir or args.resume_from):
         raise UsageError("--timeline-all trains from scratch: not with --ckpt-dir, --resume-from")
     folder = os.path.dirname(path) or "."
-    from checkpoints import writable  # (the files: checkpoints.py's)
     if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):
         raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
                          if not os.path.isdir(path) else f"cannot write {path}: it is a directory")
