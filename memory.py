@@ -185,17 +185,17 @@ class Watch(Progress):
     from one block to the next it grows by what a block keeps for backward (per_block)."""
 
     def start(self):  # what used() starts from: the data size now, and the address space
-        self.vm = _sizes()
+        self.vm, self.forward = _sizes(), []
         self.data = self.data0 = self.now = self.vm["VmData"]
 
     def note(self, what, block=None):
         super().note(what)
         self.now = _sizes()["VmData"]
         self.data = max(self.data, self.now)
-        if block is not None and torch.is_grad_enabled():  # blocks.0: a new forward
-            if block == 0:
-                self.forward = []
-            self.forward.append(self.now)  # (appended, not rebuilt: up to 4,096 blocks)
+        # blocks.i: the list from i on replaced; blocks.0 starts a new forward, the next block
+        # appends (in place, not rebuilt: up to 4,096 blocks)
+        if block is not None and torch.is_grad_enabled():
+            self.forward[block:] = [self.now]
 
     def used(self):
         """The most data this rank had since the limit was set (its peak), less the data then.
@@ -365,12 +365,11 @@ def wall_guess(fitted, walls, formula, limit):
 def _trial(args, stage, layers):
     """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
     Returns what rank 0 measured, or the first error a rank reported."""
-    argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16
-    for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
-                 "backend", "device", "data", "shard_size"):  # the rest as given, or by default
-        # (stage 0 shards nothing: no --shard-size)
-        if getattr(args, name) is not None and (stage or name != "shard_size"):
-            argv.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
+    # then the rest as given, or by default (stage 0 shards nothing: no --shard-size)
+    argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16 + [
+        f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("d_model", "n_head",
+            "seq_len", "batch_size", "max_memory", "timeout", "seed", "backend", "device", "data",
+            "shard_size") if getattr(args, name) is not None and (stage or name != "shard_size")]
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
         port = str(s.getsockname()[1])
     ctx = get_context("spawn")
