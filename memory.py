@@ -667,10 +667,10 @@ def check_timeline_args(args):
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
     if args.timeline_all and (args.ckpt_dir or args.resume_from):
         raise UsageError("--timeline-all trains from scratch: not with --ckpt-dir, --resume-from")
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):
-        raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
-                         if not os.path.isdir(path) else f"cannot write {path}: it is a directory")
+    # (writable() is False for a directory that is not there, or a file)
+    if not writable(folder := os.path.dirname(path) or ".") or os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: " + ("it is a directory" if os.path.isdir(path)
+                                                     else f"no such writable directory {folder!r}"))
     if not path.endswith(".svg"):
         raise UsageError(f"{path}: the timeline is an SVG picture: name it FILE.svg")
     args.record_step = args.steps  # the last step's events
