@@ -484,13 +484,13 @@ class Timeline(list):
 
     def record(self, zero, what, unit):
         i = None if unit is None else zero.units.index(unit)
-        reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
+        # "reduction launched" and "landed": "all-reduce of unit 3 launched" (the stage's kind)
+        reduction = f"{'all-reduce' if zero.stage == 0 else 'reduce-scatter'} of unit {i}"
         label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
-                 "reduction launched": f"{reduction} of unit {i} launched",
-                 "reduction landed": f"{reduction} of unit {i} landed",
                  "gradient buffer": f"gradient buffer of unit {i} made",
                  "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
-                 "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
+                 "all-gather after the step": f"all-gather unit {i} after the step"}.get(
+            what, what.replace("reduction", reduction))
         cuda = torch.cuda.memory_allocated(zero.device) if zero.meter.cuda else None
         self.append({"event": label, **{k: zero.meter.now[k] for k in STACK}, "cuda": cuda})
 
