@@ -652,10 +652,10 @@ def train_every_stage(args):
     panels = []
     for stage in range(4):
         res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
-        panels.append(timeline_panel(res, args))
-        log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
-             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(res['timeline'])} events, "
-             f"peak {_si(max(map(_total, res['timeline'])))}B")
+        panels.append(p := timeline_panel(res, args))
+        # (from scratch, to the last step: its number is the number of steps)
+        log0(f"stage {stage}: loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}; step "
+             f"{p.step}: {len(p.events)} events, peak {_si(max(map(_total, p.events)))}B")
     show_timeline(panels, args.timeline_all)
 
 
