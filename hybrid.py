@@ -53,25 +53,24 @@ class Hybrid:
 def make_hybrid(zero):
     """configure(), with shard_size G < N: this rank's shard group and replica group, and the
     stage's class with Hybrid's override."""
-    zero.group, zero.replica_group = hybrid_groups(zero.world, zero.rank, zero.N)
+    zero.group, zero.replica_group = hybrid_groups(zero.world, zero.N)
     # (configure() runs once, in __init__: the object's class is its stage's, never Hybrid yet)
     zero.__class__ = _HYBRID.setdefault(type(zero), type(
         f"Hybrid{type(zero).__name__}", (Hybrid, type(zero)), {}))
 
 
 _HYBRID = {}  # a stage's class -> its hybrid class
-# The default group -> {G: (every rank's shard groups, replica groups)}, held weakly: a group
+# The default group -> {G: (this rank's shard group, its replica group)}, held weakly: a group
 # destroyed and let go must not live on here (and its gloo threads into the interpreter's exit)
 _GROUPS = weakref.WeakKeyDictionary()
 
 
-def hybrid_groups(N, rank, G):
+def hybrid_groups(N, G):
     """(this rank's shard group, its replica group). Every rank makes every group, in the same
     order (new_group is a collective), once per default group: a process that destroys its
     group and makes a new one (a test pool, the CUDA runs) makes them again."""
     made = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
-    if G not in made:
-        made[G] = ([dist.new_group(list(range(g * G, (g + 1) * G))) for g in range(N // G)],
-                   [dist.new_group(list(range(i, N, G))) for i in range(G)])
-    shards, replicas = made[G]
-    return shards[rank // G], replicas[rank % G]
+    if G not in made:  # torch's: every group made, this rank's returned (and the list of all)
+        made[G] = (dist.new_subgroups(G)[0],  # consecutive ranks
+                   dist.new_subgroups_by_enumeration([list(range(i, N, G)) for i in range(G)])[0])
+    return made[G]

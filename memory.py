@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zero import GPT, STAGE_NAMES, OutOfMemory, UsageError, bytes_per_parameter, check_args, \
     formula_symbols, gpu_each, log0, memory_formula, train, training_parser
+from checkpoints import writable, write_file  # (the files: checkpoints.py's)
 
 # ----------------------------------------------------------------------------------------------
 # A real limit per rank: --max-memory SIZE, enforced by the operating system (or CUDA's
@@ -184,17 +185,17 @@ class Watch(Progress):
     from one block to the next it grows by what a block keeps for backward (per_block)."""
 
     def start(self):  # what used() starts from: the data size now, and the address space
-        self.vm = _sizes()
+        self.vm, self.forward = _sizes(), []
         self.data = self.data0 = self.now = self.vm["VmData"]
 
     def note(self, what, block=None):
         super().note(what)
         self.now = _sizes()["VmData"]
         self.data = max(self.data, self.now)
-        if block is not None and torch.is_grad_enabled():  # blocks.0: a new forward
-            if block == 0:
-                self.forward = []
-            self.forward.append(self.now)  # (appended, not rebuilt: up to 4,096 blocks)
+        # blocks.i: the list from i on replaced; blocks.0 starts a new forward, the next block
+        # appends (in place, not rebuilt: up to 4,096 blocks)
+        if block is not None and torch.is_grad_enabled():
+            self.forward[block:] = [self.now]
 
     def used(self):
         """The most data this rank had since the limit was set (its peak), less the data then.
@@ -251,14 +252,12 @@ def check_fits(args, world, device):
     available, shared by the local ranks; a GPU: its own, shared by the ranks on it)."""
     psi = _psi(args, args.n_layer)
     need = _formula(args, args.stage, psi, world) + 8 * args.batch_size * args.seq_len * 256
-    # have: the memory there is, infinite where it is not known (not Linux: no floor to hold the
-    # model against)
-    ranks, have = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), float("inf")
+    # have: the memory there is: the machine's available memory (infinite where it is not known,
+    # not Linux: no floor to hold the model against), on a GPU the GPU's own
+    ranks, have = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), _available()
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
         ranks = -(-ranks // torch.cuda.device_count())
-    else:
-        have = _available()
     if need * ranks > have:
         raise UsageError(f"this model needs at least {_si(need)}B per rank (stage {args.stage}'s "
                          f"formula, Ψ = {psi:,}, and logits) x {ranks} rank(s): over {_si(have)}B")
@@ -366,12 +365,11 @@ def wall_guess(fitted, walls, formula, limit):
 def _trial(args, stage, layers):
     """One job: N ranks, `layers` blocks, stage `stage`, 2 steps, each rank under --max-memory.
     Returns what rank 0 measured, or the first error a rank reported."""
-    argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16
-    for name in ("d_model", "n_head", "seq_len", "batch_size", "max_memory", "timeout", "seed",
-                 "backend", "device", "data", "shard_size"):  # the rest as given, or by default
-        # (stage 0 shards nothing: no --shard-size)
-        if getattr(args, name) is not None and (stage or name != "shard_size"):
-            argv.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
+    # then the rest as given, or by default (stage 0 shards nothing: no --shard-size)
+    argv = [f"--stage={stage}", f"--n-layer={layers}", "--steps=2"] + ["--bf16"] * args.bf16 + [
+        f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("d_model", "n_head",
+            "seq_len", "batch_size", "max_memory", "timeout", "seed", "backend", "device", "data",
+            "shard_size") if getattr(args, name) is not None and (stage or name != "shard_size")]
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
         port = str(s.getsockname()[1])
     ctx = get_context("spawn")
@@ -411,8 +409,8 @@ def _collect(pipes, procs, deadline):
                 results[r] = recv.recv()
             except EOFError:  # (the rank is gone: reaped, its exit code is known)
                 procs[r].join(timeout=10)
-                code = procs[r].exitcode  # (-9: SIGKILL, as the kernel's OOM killer sends)
-                results[r] = {"ok": False, "error": f"rank {r} died: exit code {code}"}
+                # (exit code -9: SIGKILL, as the kernel's OOM killer sends)
+                results[r] = dict(ok=False, error=f"rank {r} died: exit code {procs[r].exitcode}")
             over = over or not results[r]["ok"] and any(
                 what in results[r]["error"] for what in ("out of memory", " died: "))
     return results
@@ -486,13 +484,13 @@ class Timeline(list):
 
     def record(self, zero, what, unit):
         i = None if unit is None else zero.units.index(unit)
-        reduction = "all-reduce" if zero.stage == 0 else "reduce-scatter"
+        # "reduction launched" and "landed": "all-reduce of unit 3 launched" (the stage's kind)
+        reduction = f"{'all-reduce' if zero.stage == 0 else 'reduce-scatter'} of unit {i}"
         label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
-                 "reduction launched": f"{reduction} of unit {i} launched",
-                 "reduction landed": f"{reduction} of unit {i} landed",
                  "gradient buffer": f"gradient buffer of unit {i} made",
                  "gradient buffer dropped": f"gradient buffer of unit {i} dropped",
-                 "all-gather after the step": f"all-gather unit {i} after the step"}.get(what, what)
+                 "all-gather after the step": f"all-gather unit {i} after the step"}.get(
+            what, what.replace("reduction", reduction))
         cuda = torch.cuda.memory_allocated(zero.device) if zero.meter.cuda else None
         self.append({"event": label, **{k: zero.meter.now[k] for k in STACK}, "cuda": cuda})
 
@@ -644,7 +642,6 @@ def show_timeline(panels, path):
     """Rank 0 prints the timeline as text and writes it as an SVG file to `path`."""
     if dist.get_rank() == 0:
         print("\n" + timeline_text(panels), flush=True)
-        from checkpoints import write_file  # (the files: checkpoints.py's)
         write_file(path, timeline_svg(panels))
         print(f"wrote {path}: {len(panels)} panel(s), open it in a browser", flush=True)
 
@@ -655,10 +652,10 @@ def train_every_stage(args):
     panels = []
     for stage in range(4):
         res = train(argparse.Namespace(**{**vars(args), "stage": stage}), quiet=True)
-        panels.append(timeline_panel(res, args))
-        log0(f"stage {stage}: {len(res['losses'])} steps, loss {res['losses'][0]:.4f} -> "
-             f"{res['losses'][-1]:.4f}; step {args.steps}: {len(res['timeline'])} events, "
-             f"peak {_si(max(map(_total, res['timeline'])))}B")
+        panels.append(p := timeline_panel(res, args))
+        # (from scratch, to the last step: its number is the number of steps)
+        log0(f"stage {stage}: loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}; step "
+             f"{p.step}: {len(p.events)} events, peak {_si(max(map(_total, p.events)))}B")
     show_timeline(panels, args.timeline_all)
 
 
@@ -670,11 +667,10 @@ def check_timeline_args(args):
         raise UsageError("--timeline records a step after the first: --steps must be 2 or more")
     if args.timeline_all and (args.ckpt_dir or args.resume_from):
         raise UsageError("--timeline-all trains from scratch: not with --ckpt-dir, --resume-from")
-    folder = os.path.dirname(path) or "."
-    from checkpoints import writable  # (the files: checkpoints.py's)
-    if not os.path.isdir(folder) or not writable(folder) or os.path.isdir(path):
-        raise UsageError(f"cannot write {path}: no such writable directory {folder!r}"
-                         if not os.path.isdir(path) else f"cannot write {path}: it is a directory")
+    # (writable() is False for a directory that is not there, or a file)
+    if not writable(folder := os.path.dirname(path) or ".") or os.path.isdir(path):
+        raise UsageError(f"cannot write {path}: " + ("it is a directory" if os.path.isdir(path)
+                                                     else f"no such writable directory {folder!r}"))
     if not path.endswith(".svg"):
         raise UsageError(f"{path}: the timeline is an SVG picture: name it FILE.svg")
     args.record_step = args.steps  # the last step's events

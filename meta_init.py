@@ -148,10 +148,9 @@ def _unset(t):  # what no init has written yet: NaN (or the smallest integer)
 
 
 def _check_set(tensors):
-    for t, name in tensors:
-        unset = torch.isnan(t).any() if t.is_floating_point() else \
-            t.numel() > 0 and t.dtype != torch.bool and (t == torch.iinfo(t.dtype).min).all()
-        if unset:
+    for t, name in tensors:  # (unset: _unset's value left, anywhere a float, everywhere else)
+        if torch.isnan(t).any() if t.is_floating_point() else \
+                t.numel() > 0 and t.dtype != torch.bool and (t == torch.iinfo(t.dtype).min).all():
             raise ValueError(f"zero: {name} is not initialized: init(module) must set every "
                              "parameter and buffer of the module it is given")
 
