@@ -186,9 +186,9 @@ def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dty
     # no ranks to sync; torch's clipping
     opt.no_sync = contextlib.nullcontext
     opt.clip_grad_norm_ = functools.partial(nn.utils.clip_grad_norm_, list(model.parameters()))
-    keep = rows(only) if only is not None else slice(None)  # every row: the global batch
-    losses = train(model, opt, steps, clip, accum, masked=masked, mean=torch.Tensor.item,
-                   loss=lambda model, x, y: loss_of(model, x, y, keep))
+    # the loss: of rank `only`'s rows, or of every row (the global batch)
+    losses = train(model, opt, steps, clip, accum, functools.partial(
+        loss_of, keep=slice(None) if only is None else rows(only)), masked, mean=torch.Tensor.item)
     return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
@@ -486,14 +486,14 @@ def optimizer_before_wrap(quick):
     """A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is
     None (each unit's gradient is reduced into this rank's shard). Nothing trains."""
     before = {n: p.detach() for n, p in build().named_parameters()}  # every fresh model's
-    out = {}
-    for name in ("wrong", "right"):
+
+    def moved(name):
         model = build()
         plain = torch.optim.AdamW(model.parameters(), lr=0.02)  # a torch optimizer, before wrap()
         opt = zero.wrap(model, 2, ADAMW)  # the optimizer wrap() returns: it steps the shards
         train(model, plain if name == "wrong" else opt, 2 if quick else 3)  # WRONG: plain
-        out[name] = distance(opt, before)
-    return out
+        return distance(opt, before)
+    return {name: moved(name) for name in ("wrong", "right")}
 
 
 @mistake("3", 3, "the saved weights, loaded: distance",
@@ -502,8 +502,7 @@ def state_dict_at_stage_3(quick):
     """Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.
     torch.save writes the file all the same, and only loading it fails. zero.py refuses the
     read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them."""
-    out = {}
-    for name in ("guard", "wrong", "right"):
+    def saved_and_loaded(name):
         model, opt, *_ = trained(zero.ZeRO3, 1)
         if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
             for p in model.parameters():
@@ -511,12 +510,12 @@ def state_dict_at_stage_3(quick):
         file = io.BytesIO()
         try:  # WRONG: model.state_dict(), the model's own, at stage 3 (right: the shards gathered)
             torch.save(opt.full_state_dict() if name == "right" else model.state_dict(), file)
-            out[name] = distance(opt, torch.load(io.BytesIO(file.getvalue())))  # loaded back
+            return distance(opt, torch.load(io.BytesIO(file.getvalue())))  # loaded back
         except RuntimeError as e:
             saved = len(file.getvalue())  # 0 where the guard refused to read the model
-            out[name] = (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
-                         "") + first_line(e)
-    return out
+            return (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
+                    "") + first_line(e)
+    return {name: saved_and_loaded(name) for name in ("guard", "wrong", "right")}
 
 
 # --- ranks out of step: a collective no other rank makes, units reduced in another order -------
@@ -564,9 +563,9 @@ def units_out_of_order(quick):
     """Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective
     fails. zero.py fingerprints what each rank reduced, and stops the step if they differ."""
     run = functools.partial(trained, steps=2 if quick else 3, overlap=False)
-    return {name: outcome(lambda: spread(run(cls, check_steps=check).model)) for name, cls, check
-            in [("guard", OtherOrder, True), ("wrong", OtherOrder, False),  # wrong: no check_steps
-                ("right", zero.DataParallel, True)]}
+    # wrong: OtherOrder without check_steps
+    return {name: outcome(lambda: spread(run(cls, check_steps=name != "wrong").model)) for name, cls
+            in [("guard", OtherOrder), ("wrong", OtherOrder), ("right", zero.DataParallel)]}
 
 
 class NoBackwardAfterStepCheck(zero.ZeRO1):
