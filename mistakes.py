@@ -169,17 +169,14 @@ def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=r
     losses = train(model, opt, steps, clip, accum, loss, masked, zero_grad)
     ref = reference(optimizer, steps, clip, accum, masked, dtype=dtype)
     gap = max(abs(a - b) for a, b in zip(losses, ref.losses))
-    return Run(model, opt, losses, gap, distance(opt, ref.params))
-
-
-Reference = collections.namedtuple("Reference", "losses params")
+    return Run(model, opt, losses, gap, distance(opt, dict(ref.model.named_parameters())))
 
 
 @functools.lru_cache(maxsize=None)
 def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
     """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
-    model, a plain torch optimizer, in the same loop: train(). Returns a Reference: the loss at
-    each step, and {name: parameter} after the last."""
+    model, a plain torch optimizer, in the same loop: train(). Returns a Run (its model as after
+    the last step, the loss at each step; its gap and distance to itself: 0)."""
     model = build(dtype=dtype)
     opt = optimizer(model.parameters())
     # It, in the loop's interface (zero.py's), beside its own step and zero_grad: one process has
@@ -189,7 +186,7 @@ def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dty
     # the loss: of rank `only`'s rows, or of every row (the global batch)
     losses = train(model, opt, steps, clip, accum, functools.partial(
         loss_of, keep=slice(None) if only is None else rows(only)), masked, mean=torch.Tensor.item)
-    return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return Run(model, opt, losses, 0.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +424,7 @@ def step_without_gradient(quick):
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
     out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    moved = (reference(ADAMW, steps).params["aux.weight"] - before).abs().max().item()
+    moved = (reference(ADAMW, steps).model.aux.weight - before).abs().max().item()
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it {moved:.1e}"]
     return out
 
@@ -439,7 +436,7 @@ def same_batch(quick):
     """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
     exactly like one process on that batch, not like the global batch."""
     steps = 3 if quick else STEPS
-    ref_one = reference(SGD, steps, only=0).params  # one process on rank 0's rows alone
+    ref_one = dict(reference(SGD, steps, only=0).model.named_parameters())  # rank 0's rows alone
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
     wrong, right = (trained(zero.ZeRO1, steps, SGD, loss=loss) for loss in [
         lambda model, x, y: loss_of(model, x, y, rows(0)), rank_mean])
