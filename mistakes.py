@@ -125,18 +125,12 @@ def rank_mean(model, x, y):  # the loss of the loop: the mean over this rank's r
     return loss_of(model, x, y, rows(dist.get_rank()))
 
 
-def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows):
-    # every rank's (zero.py's _all_ranks: one all-gather, in rank order), averaged
-    return statistics.mean(row[0] for row in zero._all_ranks([t.item()], "cpu", DTYPE))
-
-
-def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True,
-          mean=mean_over_ranks):
+def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True):
     """The right loop (zero.py's interface), for every mistake in the algorithm: this rank's
     rows, backward (all micro-batches but the last under no_sync()), clip, step, zero_grad. A
     mistake in the loop hands in its own lines, loss(model, x, y) of the global batch (x, y),
-    or leaves out zero_grad (zero_grad=False). Returns the loss of the global batch at each
-    step (mean: of this rank's loss; the reference, one process, hands in its own)."""
+    or leaves out zero_grad (zero_grad=False). Returns this rank's loss at each step (the
+    reference's, one process: the global batch's; trained() averages the ranks')."""
     losses = []
     for step in range(steps):
         total = 0.0
@@ -145,7 +139,7 @@ def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, z
             with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 mine = loss(model, x, y) / accum
                 mine.backward()
-            total += mean(mine)
+            total += mine.item()
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -166,7 +160,10 @@ def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=r
     zero_grad=False, is measured against the right loop's): its loss gap and distance."""
     model = build(dtype=dtype)
     opt = cls(model, optimizer, **options)
-    losses = train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    # the loss of the global batch at each step, from each rank's mean (equal rows): every rank's
+    # (zero.py's _all_ranks: one all-gather, in rank order), averaged
+    mine = train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    losses = [statistics.mean(step) for step in zip(*zero._all_ranks(mine, "cpu", DTYPE))]
     ref = reference(optimizer, steps, clip, accum, masked, dtype=dtype)
     gap = max(abs(a - b) for a, b in zip(losses, ref.losses))
     return Run(model, opt, losses, gap, distance(opt, dict(ref.model.named_parameters())))
@@ -185,7 +182,7 @@ def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dty
     opt.clip_grad_norm_ = functools.partial(nn.utils.clip_grad_norm_, list(model.parameters()))
     # the loss: of rank `only`'s rows, or of every row (the global batch)
     losses = train(model, opt, steps, clip, accum, functools.partial(
-        loss_of, keep=slice(None) if only is None else rows(only)), masked, mean=torch.Tensor.item)
+        loss_of, keep=slice(None) if only is None else rows(only)), masked)
     return Run(model, opt, losses, 0.0, 0.0)
 
 
@@ -627,8 +624,7 @@ def main(argv=None):
     for bad, message in [
             (unknown is not None, f"no mistake named {unknown!r}; see `python mistakes.py --list`"),
             (args.json == "", "--json '': an empty name"),  # (else no file, and no word of it)
-            (args.list and (args.names or args.json), "--list prints every name: not with names "
-             "or --json"),
+            (args.list and (args.names or args.json), "--list: not with names or --json"),
             (args.json and os.path.isdir(args.json), f"--json {args.json}: is a directory"),
             (args.json and not os.path.isdir(where), f"--json {args.json}: no directory {where}"),
             (args.json and not writable(where), f"--json {args.json}: cannot write in {where}")]:
