@@ -180,10 +180,9 @@ def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dty
     # no ranks to sync; torch's clipping
     opt.no_sync = contextlib.nullcontext
     opt.clip_grad_norm_ = functools.partial(nn.utils.clip_grad_norm_, list(model.parameters()))
-    # the loss: of rank `only`'s rows, or of every row (the global batch)
-    losses = train(model, opt, steps, clip, accum, functools.partial(
-        loss_of, keep=slice(None) if only is None else rows(only)), masked)
-    return Run(model, opt, losses, 0.0, 0.0)
+    # trained in place; the loss: of rank `only`'s rows, or of every row (the global batch)
+    return Run(model, opt, train(model, opt, steps, clip, accum, functools.partial(
+        loss_of, keep=slice(None) if only is None else rows(only)), masked), 0.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
