@@ -199,9 +199,8 @@ def spread(model):
     """The replicas: the largest difference between two ranks' copies of one parameter, the
     values each rank computes with (stages 0-2 keep whole parameters). 0: the ranks agree."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    # [N, numel]: every rank's copy (zero.py's _all_ranks: one all-gather, in rank order)
-    every = torch.tensor(zero._all_ranks(mine.tolist(), "cpu", mine.dtype), dtype=mine.dtype)
-    return (every.amax(0) - every.amin(0)).max().item()
+    # every rank's copy (zero.py's _all_ranks: one all-gather, in rank order), element by element
+    return max(max(c) - min(c) for c in zip(*zero._all_ranks(mine.tolist(), "cpu", mine.dtype)))
 
 
 def peak_bytes(wrong, right, kind, steps, accum=1):
