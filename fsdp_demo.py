@@ -476,7 +476,8 @@ def main(argv=None):
     no_fsdp2 = args.stage < 2 or args.bench
     only = "stages 2 and 3 only" + (", not --bench" if args.bench else "")
     for bad, message in [
-            (args.bench and args.compare, "--bench and --compare: choose one"),  # (--bench: all)
+            # (--bench compares every stage itself)
+            (args.bench and args.compare, "--bench and --compare: choose one"),
             (args.repeats is not None and not args.bench, "--repeats is for --bench"),
             (no_fsdp2 and (args.ckpt_dir or args.resume_from),
              f"--ckpt-dir and --resume-from are FSDP2's here: {only}"),
