@@ -61,15 +61,13 @@ plus a manifest, resharded when loaded; each side continues the other's, Torch.l
 below and checkpoints.load_dcp); torch.compile integration. Each is an optimization on
 top of the three sharding ideas, and each would double the code to read.
 """
-import argparse, contextlib, gc, itertools, math, statistics
-from collections import Counter
+import argparse, collections, contextlib, gc, itertools, math, statistics
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, \
-    get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, \
+    set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
@@ -116,12 +114,12 @@ def parallelize(model, args, device):
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None,
                                      reduce_dtype=torch.float32)
     # Hybrid sharding (zero.py's --shard-size G): a 2-D mesh, replicate x shard, whose rows are
-    # G consecutive ranks, as zero.py's shard groups (HSDP). None: shard over every rank.
+    # G consecutive ranks, as zero.py's shard groups (HSDP). None (no G, or G = N): every rank.
     G, world = args.shard_size, dist.get_world_size()
     if G and world % G:  # (init_device_mesh would fail on some ranks only, with a traceback)
         raise zero.UsageError(f"--shard-size {G} must divide the world size {world}")
-    mesh = (init_device_mesh(device.type, (world // G, G), mesh_dim_names=("replicate", "shard"))
-            if G and G < world else None)
+    mesh = None if not G or G == world else dist.init_device_mesh(
+        device.type, (world // G, G), mesh_dim_names=("replicate", "shard"))
     for module in [*model.blocks, model]:
         fully_shard(module, mesh=mesh, reshard_after_forward=args.stage == 3, mp_policy=mp_policy)
     materialize(model, args, device)
@@ -231,7 +229,7 @@ class Torch:
         self.no_sync = net.no_sync if isinstance(net, DDP) else contextlib.nullcontext
         self.device = next(model.parameters()).device
         # --bench counts only the first step (count_steps=1): the mode costs time
-        self.count_steps, self.comm = count_steps, Counter()
+        self.count_steps, self.comm = count_steps, collections.Counter()
         # DTensor parameters: numel() is the global count
         self.psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # (no self.peak, which zero.train reads as "not measured": the transient buffers live
@@ -261,9 +259,8 @@ class Torch:
     # Checkpoints (FSDP2 only), through torch.distributed.checkpoint's state_dict API: each rank's
     # DTensor shards in, each rank's DTensor shards out, keyed by the model's names.
 
-    def _state(self):
-        return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+    def _state(self):  # {"model": its state dict, "optimizer": the optimizer's}, as DCP keys them
+        return dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer)))
 
     def save_checkpoint(self, root, step, extra=None):
         """checkpoints.save_checkpoint's counterpart: DCP, as torchtitan writes it
@@ -345,7 +342,7 @@ def compare(args, keep_params=False, zero_too=True):
     if not zero_too:
         return None
     gc.collect()  # PyTorch's model and optimizer are garbage now: free them before zero.py's run
-    seen = Counter()
+    seen = collections.Counter()
 
     def counted(model, device):
         # build() for zero.train: zero.py's own stage, also counted at the dispatcher into
@@ -360,17 +357,15 @@ def compare(args, keep_params=False, zero_too=True):
 
 
 def print_comparison(theirs, ours, args):
-    log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, "
-        f"N = {ours['world']}")
-    log(f"  {'step':>4}  {'loss PyTorch':>12}  {'loss zero.py':>12}  {'difference':>10}")
+    log(f"\nzero.py vs PyTorch, stage {args.stage}: {PYTORCH_NAMES[args.stage]}, N = "
+        f"{ours['world']}\n  step  loss PyTorch  loss zero.py  difference")  # widths 4, 12, 12, 10
     for i, (a, b) in enumerate(zip(theirs["losses"], ours["losses"]), theirs["first"]):
         log(f"  {i:>4}  {a:>12.6f}  {b:>12.6f}  {abs(a - b):>10.2e}")
     largest = max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"]))
-    log(f"  largest loss difference {largest:.2e}")
     diff = max((theirs["full"][n] - t).abs().max().item() for n, t in ours["full"].items())
-    log(f"  largest parameter difference after {args.steps} steps {diff:.2e}")
-    log(f"\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14} {'zero.py':>14} "
-        f"{'zero.py / PyTorch':>18}")
+    log(f"  largest loss difference {largest:.2e}\n  largest parameter difference after "
+        f"{args.steps} steps {diff:.2e}\n\n  {'per rank (largest over ranks)':<34} {'PyTorch':>14}"
+        f" {'zero.py':>14} {'zero.py / PyTorch':>18}")
 
     def column(res):  # one run's numbers, in the order of `names`
         mem = [res["mem"][k] for k in ("params", "grads", "optimizer")]
@@ -481,8 +476,8 @@ def main(argv=None):
     no_fsdp2 = args.stage < 2 or args.bench
     only = "stages 2 and 3 only" + (", not --bench" if args.bench else "")
     for bad, message in [
-            (args.bench and args.compare,
-             "--bench and --compare: choose one (--bench compares every stage)"),
+            # (--bench compares every stage itself)
+            (args.bench and args.compare, "--bench and --compare: choose one"),
             (args.repeats is not None and not args.bench, "--repeats is for --bench"),
             (no_fsdp2 and (args.ckpt_dir or args.resume_from),
              f"--ckpt-dir and --resume-from are FSDP2's here: {only}"),

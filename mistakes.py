@@ -125,18 +125,12 @@ def rank_mean(model, x, y):  # the loss of the loop: the mean over this rank's r
     return loss_of(model, x, y, rows(dist.get_rank()))
 
 
-def mean_over_ranks(t):  # the loss of the global batch, from each rank's mean (equal rows):
-    # every rank's (zero.py's _all_ranks: one all-gather, in rank order), averaged
-    return statistics.mean(row[0] for row in zero._all_ranks([t.item()], "cpu", DTYPE))
-
-
-def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True,
-          mean=mean_over_ranks):
+def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, zero_grad=True):
     """The right loop (zero.py's interface), for every mistake in the algorithm: this rank's
     rows, backward (all micro-batches but the last under no_sync()), clip, step, zero_grad. A
     mistake in the loop hands in its own lines, loss(model, x, y) of the global batch (x, y),
-    or leaves out zero_grad (zero_grad=False). Returns the loss of the global batch at each
-    step (mean: of this rank's loss; the reference, one process, hands in its own)."""
+    or leaves out zero_grad (zero_grad=False). Returns this rank's loss at each step (the
+    reference's, one process: the global batch's; trained() averages the ranks')."""
     losses = []
     for step in range(steps):
         total = 0.0
@@ -145,7 +139,7 @@ def train(model, opt, steps, clip=None, accum=1, loss=rank_mean, masked=False, z
             with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 mine = loss(model, x, y) / accum
                 mine.backward()
-            total += mean(mine)
+            total += mine.item()
         if clip:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -166,30 +160,29 @@ def trained(cls, steps, optimizer=ADAMW, dtype=DTYPE, clip=None, accum=1, loss=r
     zero_grad=False, is measured against the right loop's): its loss gap and distance."""
     model = build(dtype=dtype)
     opt = cls(model, optimizer, **options)
-    losses = train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    # the loss of the global batch at each step, from each rank's mean (equal rows): every rank's
+    # (zero.py's _all_ranks: one all-gather, in rank order), averaged
+    mine = train(model, opt, steps, clip, accum, loss, masked, zero_grad)
+    losses = [statistics.mean(step) for step in zip(*zero._all_ranks(mine, "cpu", DTYPE))]
     ref = reference(optimizer, steps, clip, accum, masked, dtype=dtype)
     gap = max(abs(a - b) for a, b in zip(losses, ref.losses))
-    return Run(model, opt, losses, gap, distance(opt, ref.params))
-
-
-Reference = collections.namedtuple("Reference", "losses params")
+    return Run(model, opt, losses, gap, distance(opt, dict(ref.model.named_parameters())))
 
 
 @functools.lru_cache(maxsize=None)
 def reference(optimizer, steps, clip=None, accum=1, masked=False, only=None, dtype=DTYPE):
     """Single-process training on the global batch (only=r: on rank r's rows alone): a plain
-    model, a plain torch optimizer, in the same loop: train(). Returns a Reference: the loss at
-    each step, and {name: parameter} after the last."""
+    model, a plain torch optimizer, in the same loop: train(). Returns a Run (its model as after
+    the last step, the loss at each step; its gap and distance to itself: 0)."""
     model = build(dtype=dtype)
     opt = optimizer(model.parameters())
     # It, in the loop's interface (zero.py's), beside its own step and zero_grad: one process has
     # no ranks to sync; torch's clipping
     opt.no_sync = contextlib.nullcontext
     opt.clip_grad_norm_ = functools.partial(nn.utils.clip_grad_norm_, list(model.parameters()))
-    keep = rows(only) if only is not None else slice(None)  # every row: the global batch
-    losses = train(model, opt, steps, clip, accum, masked=masked, mean=torch.Tensor.item,
-                   loss=lambda model, x, y: loss_of(model, x, y, keep))
-    return Reference(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    # trained in place; the loss: of rank `only`'s rows, or of every row (the global batch)
+    return Run(model, opt, train(model, opt, steps, clip, accum, functools.partial(
+        loss_of, keep=slice(None) if only is None else rows(only)), masked), 0.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,9 +199,8 @@ def spread(model):
     """The replicas: the largest difference between two ranks' copies of one parameter, the
     values each rank computes with (stages 0-2 keep whole parameters). 0: the ranks agree."""
     mine = torch.cat([p.detach().flatten() for p in model.parameters()])
-    # [N, numel]: every rank's copy (zero.py's _all_ranks: one all-gather, in rank order)
-    every = torch.tensor(zero._all_ranks(mine.tolist(), "cpu", mine.dtype), dtype=mine.dtype)
-    return (every.amax(0) - every.amin(0)).max().item()
+    # every rank's copy (zero.py's _all_ranks: one all-gather, in rank order), element by element
+    return max(max(c) - min(c) for c in zip(*zero._all_ranks(mine.tolist(), "cpu", mine.dtype)))
 
 
 def peak_bytes(wrong, right, kind, steps, accum=1):
@@ -427,7 +419,7 @@ def step_without_gradient(quick):
     before = build().aux.weight.detach()  # (every fresh model: the same weights)
     out = {name: distance(trained(cls, steps).opt, {"aux.weight": before})  # how far it moved
            for name, cls in [("wrong", StepsWithoutGradient), ("right", zero.DataParallel)]}
-    moved = (reference(ADAMW, steps).params["aux.weight"] - before).abs().max().item()
+    moved = (reference(ADAMW, steps).model.aux.weight - before).abs().max().item()
     out["detail"] = [f"the reference (plain torch: aux.grad is None) moved it {moved:.1e}"]
     return out
 
@@ -439,7 +431,7 @@ def same_batch(quick):
     """Every rank read rank 0's rows: N times the compute for one rank's batch. It trains
     exactly like one process on that batch, not like the global batch."""
     steps = 3 if quick else STEPS
-    ref_one = reference(SGD, steps, only=0).params  # one process on rank 0's rows alone
+    ref_one = dict(reference(SGD, steps, only=0).model.named_parameters())  # rank 0's rows alone
     # WRONG: rows(0), rank 0's rows, on every rank (the right loop's rank_mean: rows(rank))
     wrong, right = (trained(zero.ZeRO1, steps, SGD, loss=loss) for loss in [
         lambda model, x, y: loss_of(model, x, y, rows(0)), rank_mean])
@@ -486,14 +478,14 @@ def optimizer_before_wrap(quick):
     """A torch optimizer built over model.parameters() steps p with p.grad: at stage 2 that is
     None (each unit's gradient is reduced into this rank's shard). Nothing trains."""
     before = {n: p.detach() for n, p in build().named_parameters()}  # every fresh model's
-    out = {}
-    for name in ("wrong", "right"):
+
+    def moved(name):
         model = build()
         plain = torch.optim.AdamW(model.parameters(), lr=0.02)  # a torch optimizer, before wrap()
         opt = zero.wrap(model, 2, ADAMW)  # the optimizer wrap() returns: it steps the shards
         train(model, plain if name == "wrong" else opt, 2 if quick else 3)  # WRONG: plain
-        out[name] = distance(opt, before)
-    return out
+        return distance(opt, before)
+    return {name: moved(name) for name in ("wrong", "right")}
 
 
 @mistake("3", 3, "the saved weights, loaded: distance",
@@ -502,8 +494,7 @@ def state_dict_at_stage_3(quick):
     """Between steps a stage-3 parameter's storage is freed: its state_dict holds no values.
     torch.save writes the file all the same, and only loading it fails. zero.py refuses the
     read; opt.full_state_dict() gathers the shards, checkpoints.save_checkpoint saves them."""
-    out = {}
-    for name in ("guard", "wrong", "right"):
+    def saved_and_loaded(name):
         model, opt, *_ = trained(zero.ZeRO3, 1)
         if name == "wrong":  # the guard taken off: wrap() made every parameter a ShardedParameter
             for p in model.parameters():
@@ -511,12 +502,12 @@ def state_dict_at_stage_3(quick):
         file = io.BytesIO()
         try:  # WRONG: model.state_dict(), the model's own, at stage 3 (right: the shards gathered)
             torch.save(opt.full_state_dict() if name == "right" else model.state_dict(), file)
-            out[name] = distance(opt, torch.load(io.BytesIO(file.getvalue())))  # loaded back
+            return distance(opt, torch.load(io.BytesIO(file.getvalue())))  # loaded back
         except RuntimeError as e:
             saved = len(file.getvalue())  # 0 where the guard refused to read the model
-            out[name] = (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
-                         "") + first_line(e)
-    return out
+            return (f"torch.save wrote {saved:,} bytes; torch.load: " if saved else
+                    "") + first_line(e)
+    return {name: saved_and_loaded(name) for name in ("guard", "wrong", "right")}
 
 
 # --- ranks out of step: a collective no other rank makes, units reduced in another order -------
@@ -564,9 +555,9 @@ def units_out_of_order(quick):
     """Rank 0's block 0 is summed with rank 1's block 1: every number is wrong, no collective
     fails. zero.py fingerprints what each rank reduced, and stops the step if they differ."""
     run = functools.partial(trained, steps=2 if quick else 3, overlap=False)
-    return {name: outcome(lambda: spread(run(cls, check_steps=check).model)) for name, cls, check
-            in [("guard", OtherOrder, True), ("wrong", OtherOrder, False),  # wrong: no check_steps
-                ("right", zero.DataParallel, True)]}
+    # wrong: OtherOrder without check_steps
+    return {name: outcome(lambda: spread(run(cls, check_steps=name != "wrong").model)) for name, cls
+            in [("guard", OtherOrder), ("wrong", OtherOrder), ("right", zero.DataParallel)]}
 
 
 class NoBackwardAfterStepCheck(zero.ZeRO1):
@@ -631,8 +622,7 @@ def main(argv=None):
     for bad, message in [
             (unknown is not None, f"no mistake named {unknown!r}; see `python mistakes.py --list`"),
             (args.json == "", "--json '': an empty name"),  # (else no file, and no word of it)
-            (args.list and (args.names or args.json), "--list prints every name: not with names "
-             "or --json"),
+            (args.list and (args.names or args.json), "--list: not with names or --json"),
             (args.json and os.path.isdir(args.json), f"--json {args.json}: is a directory"),
             (args.json and not os.path.isdir(where), f"--json {args.json}: no directory {where}"),
             (args.json and not writable(where), f"--json {args.json}: cannot write in {where}")]:
