@@ -18,7 +18,7 @@ needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --co
 --init-from.
 """
 import contextlib, functools, hashlib, itertools, json, math, os, pathlib, re, shutil, \
-    sys, tempfile, warnings, zipfile
+    stat, sys, tempfile, warnings, zipfile
 
 import torch
 import torch.distributed as dist
@@ -703,26 +703,23 @@ def _part_problem(part, r, manifest):
         tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
         if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
             return f"unit {i}: not {size} elements of master weights and of each optimizer state"
-    scalars = part.get("param_scalars")
-    if not isinstance(scalars, dict) or not all(isinstance(s, dict) for s in scalars.values()):
-        return "its optimizer scalars are not a dictionary per parameter"
-    replicated = part.get("replicated")
-    if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
-        return "'replicated' is not a dictionary of tensors"
-    if r == 0 and {n: list(t.shape) for n, t in replicated.items()} != manifest["replicated"]:
+    # {parameter name: its optimizer scalars}, {name: a frozen parameter's or a buffer's value}
+    for k, cls in [("param_scalars", dict), ("replicated", torch.Tensor)]:
+        if not (isinstance(d := part.get(k), dict) and all(isinstance(v, cls) for v in d.values())):
+            return f"{k!r} is not a dictionary of {cls.__name__}s"
+    if r == 0 and {n: [*t.shape] for n, t in part["replicated"].items()} != manifest["replicated"]:
         return "its frozen parameters and buffers are not the ones the manifest lists"
 
 
 def _regular_size(file, missing):
     """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
     try:
-        st = os.stat(file)
+        if stat.S_ISREG((st := os.stat(file)).st_mode):  # (one stat: the kind and the size)
+            return st.st_size
+        why = "not a regular file"
     except OSError as e:
-        raise CheckpointError(f"{file}: " + (missing if isinstance(e, FileNotFoundError)
-                                             else e.strerror)) from None
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file}: not a regular file")
-    return st.st_size
+        why = missing if isinstance(e, FileNotFoundError) else e.strerror
+    raise CheckpointError(f"{file}: {why}")
 
 
 def _read_json(file, missing, format, problem):
@@ -744,8 +741,9 @@ def _read_json(file, missing, format, problem):
 _LAYOUT_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
 
 
-def _not_laid_out(path, e):
-    return f"{path}: not laid out as zero.py writes checkpoints ({type(e).__name__}: {_reason(e)})"
+def _failed(path, what="not laid out as zero.py writes checkpoints"):
+    """say(e) for _agreed, or an error's line: path, what failed, and e's type and _reason."""
+    return lambda e: f"{path}: {what} ({type(e).__name__}: {_reason(e)})"
 
 
 def read_checkpoint(path, verify=None):
@@ -790,7 +788,7 @@ def load_checkpoint(opt, path):
     if path is not None and is_dcp(path):
         return load_dcp(opt, path)
     # Agree before anyone changes anything (or waits alone in a collective): _agreed
-    with _agreed(opt.device, _LAYOUT_ERRORS, functools.partial(_not_laid_out, path)):
+    with _agreed(opt.device, _LAYOUT_ERRORS, _failed(path)):
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
         check_checkpoint(opt, parts, manifest)
     load_values(opt, _reader(parts, manifest), checkpoint_state_keys(parts),
@@ -850,7 +848,7 @@ def consolidate(path, out, kind):
         state = {key: own[name].clone() if kind == "safetensors" and key != first[name] else
                  own[name] for key, name in manifest["keys"]}
     except _LAYOUT_ERRORS as e:
-        raise CheckpointError(_not_laid_out(path, e)) from None
+        raise CheckpointError(_failed(path)(e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
     try:
         if kind != "dcp":  # (safetensors' save_file takes the name of the file it writes)
@@ -949,8 +947,7 @@ def read_dcp(path):
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # (DCP's index missing or not one)
-        raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
-                              f"({type(e).__name__}: {_reason(e)})") from None
+        raise CheckpointError(_failed(path, "torn or not a DCP checkpoint")(e)) from None
     for name, end in sorted(_dcp_ends(metadata).items()):
         file = os.path.join(path, name)
         if (size := _regular_size(file, "missing: the DCP checkpoint is torn")) < end:
@@ -991,8 +988,7 @@ def load_dcp(zero, path):
     only their rows' bytes, from each writer's file), and cuts its elements out of them."""
     import torch.distributed.checkpoint as dcp
     # every rank, before any change (_agreed); any other exception: DCP's, a file it cannot read
-    with _agreed(zero.device, (Exception, _dcp_error()),
-                 lambda e: f"{path}: cannot be read ({type(e).__name__}: {_reason(e)})"):
+    with _agreed(zero.device, (Exception, _dcp_error()), _failed(path, "cannot be read")):
         info, tensors = read_dcp(path)
         keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
         names = {p: n for n, p in zero.model.named_parameters()}
