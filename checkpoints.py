@@ -134,9 +134,9 @@ def load_own_part(zero, state):
     parts = {part_index(r, zero.world, zero.N): {"units": tree_map(lambda t: t[j], units)}
              for j, r in enumerate(ranks)}  # (what _reader reads of a part: its units)
     # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
-    # parameters and buffers: rank 0's own (None elsewhere), then broadcast
+    # parameters and buffers: rank 0's own (none elsewhere), then broadcast
     load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
-                state["param_scalars"], state["hyper"], state["replicated"] or None)
+                state["param_scalars"], state["hyper"], state["replicated"])
     for _, t in replicated(zero.model):  # only rank 0's part holds them
         dist.broadcast(t.data, src=0)
 
@@ -169,9 +169,9 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     flattened) of its master weights (key "master") or of each per-element optimizer state in
     `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
     parameter the optimizer has state for; `hyper` the param_groups without their params;
-    `frozen` {name: tensor} of the frozen parameters and buffers, or None. Exact: each
-    element's values are copied, not recomputed (a checkpoint of any stage and world size: the
-    parts read by _reader; a DCP checkpoint: load_dcp)."""
+    `frozen` {name: tensor} of the frozen parameters and buffers (one absent: left as it is).
+    Exact: each element's values are copied, not recomputed (a checkpoint of any stage and world
+    size: the parts read by _reader; a DCP checkpoint: load_dcp)."""
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
@@ -194,9 +194,8 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
                 if (n := names[owners[0]]) in scalars:  # the optimizer has state (it was stepped)
                     state[piece] = dict(zip(values, chunk)) | tree_map_only(
                         torch.Tensor, torch.clone, scalars[n])  # the scalars: copies
-        if frozen is not None:
-            for n, t in replicated(zero.model):
-                t.copy_(frozen[n])
+        for n, t in replicated(zero.model):  # (one absent: as it is; load_own_part broadcasts)
+            t.copy_(frozen.get(n, t))
     # (the pieces now: split_pieces may have cut some)
     index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
     groups = [{**h, "params": g["params"]}  # the checkpoint's hyper-parameters, this one's params
