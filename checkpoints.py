@@ -472,17 +472,15 @@ def choose_checkpoint(root, device):
 @contextlib.contextmanager
 def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None):
     """Run the block on every rank, then agree: every rank's error (a UsageError's message, or
-    say(e) for an exception of the classes `catch`) goes to every rank, in one small all-gather,
-    and if any rank had one, every rank runs undo() and raises kind(the first one). So all
-    raise together: none is left waiting alone in a collective, and none goes on, to change
-    anything or believing that what the block did is done, where another rank failed."""
+    say(e) for an exception of a class in the tuple `catch`) goes to every rank, in one small
+    all-gather, and if any rank had one, every rank runs undo() and raises kind(the first one).
+    So all raise together: none is left waiting alone in a collective, and none goes on, to
+    change anything or believing that what the block did is done, where another rank failed."""
     error = ""
     try:
         yield
-    except UsageError as e:  # (a CheckpointError too)
-        error = str(e)
-    except catch as e:
-        error = say(e)
+    except (UsageError, *catch) as e:  # (a CheckpointError too)
+        error = str(e) if isinstance(e, UsageError) else say(e)
     # every rank's message ("": none), 512 bytes of it, to every rank
     raw = error.encode(errors="backslashreplace")[:512]  # (a path's bytes not UTF-8: escaped)
     for row in _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8):
@@ -527,7 +525,7 @@ def ckpt_dir_lock(root, device):
     what, shared = f"checkpoint directory {root}", os.path.join(root, ".zero-shared")
     looked = lambda: dist.get_rank() == 0 and os.remove(shared)  # noqa: E731
     with contextlib.ExitStack() as held:
-        with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
+        with _agreed(device, (OSError,), lambda e: f"{what}: {e.strerror or e}", UsageError):
             if any("\udc80" <= c <= "\udcff" for c in root):  # (Python's escapes of such bytes)
                 raise UsageError(f"{what}: its name's bytes are not UTF-8: torch cannot read there")
             if os.path.exists(root) and not os.path.isdir(root):
@@ -548,7 +546,7 @@ def ckpt_dir_lock(root, device):
                           "other job uses it", file=sys.stderr, flush=True)
                 pathlib.Path(shared).touch()  # removed once every rank looked for it
         # One directory on every rank: a node's own disk would fail the first save, after training
-        with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError, looked):
+        with _agreed(device, kind=UsageError, undo=looked):
             if not os.path.isfile(shared):
                 raise UsageError(f"{what}: not the one rank 0 sees (each node's own disk?): "
                                  "--ckpt-dir must be one directory that every rank reaches")
@@ -612,7 +610,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
                 "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(tmp, "manifest.json")
-    with _agreed(opt.device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
+    with _agreed(opt.device, (OSError,), _not_saved(step, opt.rank, manifest_path), undo=undo):
         if opt.rank == 0:  # complete: it takes its name (an old one of this step's), rotation
             _all_there(tmp, {name: n for name, (n, _) in files.items()}, step)
             _commit(tmp, path, "manifest.json", manifest, keep)
@@ -799,7 +797,7 @@ def _one_checkpoint(path, device):
     """Raise on every rank unless all read the same checkpoint at `path` (None: none), by the
     hash of its manifest.json (DCP: its marker): copies on each node's own disk may be of other
     steps, and a part of each would be loaded."""
-    with _agreed(device, OSError, lambda e: f"{path}: {e.strerror or e}"):  # (a node's own)
+    with _agreed(device, (OSError,), lambda e: f"{path}: {e.strerror or e}"):  # (a node's own)
         marker = next((os.path.join(path, name) for name in ("manifest.json", DCP_MARKER,
                        ".metadata") if path and os.path.isfile(os.path.join(path, name))), None)
         mine = hashlib.sha256(pathlib.Path(marker).read_bytes() if marker else b"").digest()
@@ -1052,7 +1050,7 @@ def resume(opt, args, world, device, log):
     The checkpoint's hyper-parameters are loaded with its state, then --lr is applied: the
     command line has the last word. Returns (the first step to train, the checkpoint or None)."""
     found = choose_checkpoint(args.ckpt_dir, device) if args.ckpt_dir else None
-    with _agreed(device, OSError, lambda e: f"{args.resume_from}: {e.strerror or e}"):
+    with _agreed(device):  # (checkpoint_path's CheckpointError: on every rank)
         found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
     if not found:
         return 1, None
