@@ -492,12 +492,11 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None)
 def _reason(e):
     """What went wrong, in one line: an OSError's strerror (a full disk...), DCP's the last
     line of the first rank's traceback it carries, else the first line of the message."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    if "unexpected pos" in str(e):  # torch.save's zip writer found a write cut short
-        return "a write was cut short (no space left on the device?)"
     lines = str(e).strip().splitlines() or [type(e).__name__]
-    return (lines[-1] if isinstance(e, _dcp_error()) else lines[0])[:300]
+    # ("unexpected pos": torch.save's zip writer found a write cut short)
+    return (e.strerror if isinstance(e, OSError) and e.strerror else "a write was cut short (no "
+            "space left on the device?)" if "unexpected pos" in str(e) else
+            (lines[-1] if isinstance(e, _dcp_error()) else lines[0])[:300])
 
 
 def _lock_holder(fd):
