@@ -587,11 +587,10 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     path, tmp = _partial(root, step, opt.device)
     # the part this rank writes: its rank, if G = N
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
-
-    def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
-        if opt.rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":  # (each node's disk)
-            shutil.rmtree(tmp, ignore_errors=True)
-
+    # if any rank failed (each is done writing by then): what this save wrote goes, removed by
+    # rank 0 and each node's first rank (each node's disk)
+    local0 = opt.rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
+    undo = lambda: local0 and shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
     # (torch.save reports some failed writes as RuntimeError)
     with _agreed(opt.device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
         os.makedirs(tmp, exist_ok=True)
@@ -1063,10 +1062,9 @@ def resume(opt, args, world, device, log):
         group["lr"] = args.lr
     N, G = manifest["world_size"], manifest.get("shard_size", 0)  # (G 0: none recorded)
     log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
-        f"by {N} rank(s)" + (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
-        (f" in groups of {G} (hybrid)" if G not in (0, N) else "") +
-        (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
-         if loaded_lr != args.lr else ""))
+        f"by {N} rank(s)" + " of FSDP2 (DCP)" * (manifest["format"] == DCP_FORMAT) +
+        f" in groups of {G} (hybrid)" * (G not in (0, N)) + (f"; its hyper-parameters loaded, "
+        f"then --lr {args.lr:g} applied (it had {loaded_lr:g})" if loaded_lr != args.lr else ""))
     if (data := manifest["extra"].get("data")) != (position := data_position(args, world)):
         log(f"note: the data stream differs from the checkpoint's ({data}, now {position}): "
             "training goes on, on other batches")
