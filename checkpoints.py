@@ -653,17 +653,20 @@ def _pair(x, first, second):  # [a, b], where first(a) and second(b)
     return isinstance(x, list) and len(x) == 2 and first(x[0]) and second(x[1])
 
 
-def _manifest_problem(m):
-    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
+def _manifest_problem(m, dcp=False):
+    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked.
+    dcp: a DCP checkpoint's marker (read_dcp), of which step, stage, world_size and extra."""
     n, units, replicated, files = map(m.get, ("world_size", "units", "replicated", "files"))
     for key, ok, want in [("step", _count(m.get("step")), "a step number"),
                           ("stage", _count(m.get("stage")) and m["stage"] < 4, "0, 1, 2 or 3"),
                           ("world_size", _count(n, 1), "a number of ranks"),
-                          ("files", isinstance(files, dict) and files, "a non-empty dictionary"),
+                          ("files", dcp or type(files) is dict and files, "a non-empty dictionary"),
                           ("extra", isinstance(m.get("extra"), dict), "a dictionary")]:
         if not ok:
             shown = repr(m[key]) if key in m else "missing"  # (a long value: its start)
             return f"{key!r} is {shown[:100] + '...' * (len(shown) > 100)}, not {want}"
+    if dcp:
+        return None
     text = lambda x: isinstance(x, str)  # noqa: E731
     if not (isinstance(units, list) and all(isinstance(u, list) and all(
             _pair(p, text, _is_shape) for p in u) for u in units)):
@@ -938,7 +941,7 @@ def read_dcp(path):
     is a torn checkpoint. Reads the index only, no tensor."""
     from torch.distributed.checkpoint import FileSystemReader
     info = _read_json(os.path.join(path, DCP_MARKER), "missing: the DCP checkpoint is torn (a "
-                      "save killed midway?)", DCP_FORMAT, _marker_problem)
+                      "save killed midway?)", DCP_FORMAT, lambda d: _manifest_problem(d, dcp=True))
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # (DCP's index missing or not one)
@@ -956,11 +959,6 @@ def _dcp_ends(metadata):
     last (sorted by their ends, each file's last one is the one the dictionary keeps)."""
     items = sorted(metadata.storage_data.values(), key=lambda item: item.offset + item.length)
     return {item.relative_path: item.offset + item.length for item in items}
-
-
-def _marker_problem(d):  # what is wrong with a DCP marker's contents (read_dcp), or None
-    if not (_count(d.get("step")) and isinstance(d.get("extra"), dict)):
-        return "'step' is not a step number, or 'extra' not a dictionary"
 
 
 def check_dcp(model, optimizer, info, tensors, path):
