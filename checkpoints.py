@@ -619,8 +619,7 @@ def _all_there(tmp, sizes, step):
     long as written. One missing: the ranks wrote into directories of their own, one on each
     node's disk, and the checkpoint would be complete nowhere."""
     for name, size in sizes.items():
-        file = os.path.join(tmp, name)
-        if not os.path.isfile(file) or os.path.getsize(file) < size:
+        if not os.path.isfile(file := os.path.join(tmp, name)) or os.path.getsize(file) < size:
             raise CheckpointError(f"step {step} not saved: {file}, which another rank wrote, is "
                                   "not there for rank 0: --ckpt-dir must be shared by every rank")
 
