@@ -18,7 +18,7 @@ needed: opt.state_dict(), opt.full_state_dict(), --ckpt-dir, --resume-from, --co
 --init-from.
 """
 import contextlib, functools, hashlib, itertools, json, math, os, pathlib, re, shutil, \
-    sys, tempfile, warnings, zipfile
+    stat, sys, tempfile, warnings, zipfile
 
 import torch
 import torch.distributed as dist
@@ -134,9 +134,9 @@ def load_own_part(zero, state):
     parts = {part_index(r, zero.world, zero.N): {"units": tree_map(lambda t: t[j], units)}
              for j, r in enumerate(ranks)}  # (what _reader reads of a part: its units)
     # the scalars, hyper-parameters and state keys: this rank's, as its replicas'; the frozen
-    # parameters and buffers: rank 0's own (None elsewhere), then broadcast
+    # parameters and buffers: rank 0's own (none elsewhere), then broadcast
     load_values(zero, _reader(parts, state["layout"]), checkpoint_state_keys([state]),
-                state["param_scalars"], state["hyper"], state["replicated"] or None)
+                state["param_scalars"], state["hyper"], state["replicated"])
     for _, t in replicated(zero.model):  # only rank 0's part holds them
         dist.broadcast(t.data, src=0)
 
@@ -169,9 +169,9 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
     flattened) of its master weights (key "master") or of each per-element optimizer state in
     `keys`, into the elements this rank steps; `scalars` {name: optimizer scalars} for each
     parameter the optimizer has state for; `hyper` the param_groups without their params;
-    `frozen` {name: tensor} of the frozen parameters and buffers, or None. Exact: each
-    element's values are copied, not recomputed (a checkpoint of any stage and world size: the
-    parts read by _reader; a DCP checkpoint: load_dcp)."""
+    `frozen` {name: tensor} of the frozen parameters and buffers (one absent: left as it is).
+    Exact: each element's values are copied, not recomputed (a checkpoint of any stage and world
+    size: the parts read by _reader; a DCP checkpoint: load_dcp)."""
     names = {p: n for n, p in zero.model.named_parameters()}
     state = {}
     with torch.no_grad():
@@ -194,9 +194,8 @@ def load_values(zero, read, keys, scalars, hyper, frozen):
                 if (n := names[owners[0]]) in scalars:  # the optimizer has state (it was stepped)
                     state[piece] = dict(zip(values, chunk)) | tree_map_only(
                         torch.Tensor, torch.clone, scalars[n])  # the scalars: copies
-        if frozen is not None:
-            for n, t in replicated(zero.model):
-                t.copy_(frozen[n])
+        for n, t in replicated(zero.model):  # (one absent: as it is; load_own_part broadcasts)
+            t.copy_(frozen.get(n, t))
     # (the pieces now: split_pieces may have cut some)
     index = {piece: i for i, piece in enumerate(p for u in zero.units for p in u.pieces)}
     groups = [{**h, "params": g["params"]}  # the checkpoint's hyper-parameters, this one's params
@@ -473,17 +472,15 @@ def choose_checkpoint(root, device):
 @contextlib.contextmanager
 def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None):
     """Run the block on every rank, then agree: every rank's error (a UsageError's message, or
-    say(e) for an exception of the classes `catch`) goes to every rank, in one small all-gather,
-    and if any rank had one, every rank runs undo() and raises kind(the first one). So all
-    raise together: none is left waiting alone in a collective, and none goes on, to change
-    anything or believing that what the block did is done, where another rank failed."""
+    say(e) for an exception of a class in the tuple `catch`) goes to every rank, in one small
+    all-gather, and if any rank had one, every rank runs undo() and raises kind(the first one).
+    So all raise together: none is left waiting alone in a collective, and none goes on, to
+    change anything or believing that what the block did is done, where another rank failed."""
     error = ""
     try:
         yield
-    except UsageError as e:  # (a CheckpointError too)
-        error = str(e)
-    except catch as e:
-        error = say(e)
+    except (UsageError, *catch) as e:  # (a CheckpointError too)
+        error = str(e) if isinstance(e, UsageError) else say(e)
     # every rank's message ("": none), 512 bytes of it, to every rank
     raw = error.encode(errors="backslashreplace")[:512]  # (a path's bytes not UTF-8: escaped)
     for row in _all_ranks(list(raw.ljust(512, b"\0")), device, dtype=torch.uint8):
@@ -495,12 +492,11 @@ def _agreed(device, catch=(), say=None, kind=CheckpointError, undo=lambda: None)
 def _reason(e):
     """What went wrong, in one line: an OSError's strerror (a full disk...), DCP's the last
     line of the first rank's traceback it carries, else the first line of the message."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    if "unexpected pos" in str(e):  # torch.save's zip writer found a write cut short
-        return "a write was cut short (no space left on the device?)"
     lines = str(e).strip().splitlines() or [type(e).__name__]
-    return (lines[-1] if isinstance(e, _dcp_error()) else lines[0])[:300]
+    # ("unexpected pos": torch.save's zip writer found a write cut short)
+    return (e.strerror if isinstance(e, OSError) and e.strerror else "a write was cut short (no "
+            "space left on the device?)" if "unexpected pos" in str(e) else
+            (lines[-1] if isinstance(e, _dcp_error()) else lines[0])[:300])
 
 
 def _lock_holder(fd):
@@ -528,7 +524,7 @@ def ckpt_dir_lock(root, device):
     what, shared = f"checkpoint directory {root}", os.path.join(root, ".zero-shared")
     looked = lambda: dist.get_rank() == 0 and os.remove(shared)  # noqa: E731
     with contextlib.ExitStack() as held:
-        with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError):
+        with _agreed(device, (OSError,), lambda e: f"{what}: {e.strerror or e}", UsageError):
             if any("\udc80" <= c <= "\udcff" for c in root):  # (Python's escapes of such bytes)
                 raise UsageError(f"{what}: its name's bytes are not UTF-8: torch cannot read there")
             if os.path.exists(root) and not os.path.isdir(root):
@@ -549,7 +545,7 @@ def ckpt_dir_lock(root, device):
                           "other job uses it", file=sys.stderr, flush=True)
                 pathlib.Path(shared).touch()  # removed once every rank looked for it
         # One directory on every rank: a node's own disk would fail the first save, after training
-        with _agreed(device, OSError, lambda e: f"{what}: {e.strerror or e}", UsageError, looked):
+        with _agreed(device, kind=UsageError, undo=looked):
             if not os.path.isfile(shared):
                 raise UsageError(f"{what}: not the one rank 0 sees (each node's own disk?): "
                                  "--ckpt-dir must be one directory that every rank reaches")
@@ -591,11 +587,10 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
     path, tmp = _partial(root, step, opt.device)
     # the part this rank writes: its rank, if G = N
     name = os.path.join(tmp, f"rank_{part_index(opt.rank, opt.world, opt.N):05d}.pt")
-
-    def undo():  # if any rank failed (each is done writing by then): what this save wrote goes
-        if opt.rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":  # (each node's disk)
-            shutil.rmtree(tmp, ignore_errors=True)
-
+    # if any rank failed (each is done writing by then): what this save wrote goes, removed by
+    # rank 0 and each node's first rank (each node's disk)
+    local0 = opt.rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
+    undo = lambda: local0 and shutil.rmtree(tmp, ignore_errors=True)  # noqa: E731
     # (torch.save reports some failed writes as RuntimeError)
     with _agreed(opt.device, (OSError, RuntimeError), _not_saved(step, opt.rank, name), undo=undo):
         os.makedirs(tmp, exist_ok=True)
@@ -613,7 +608,7 @@ def save_checkpoint(opt, root, step, extra=None, keep=2):
                 "optimizer": type(opt.optimizer).__name__, "keys": keys, "files": files}
     # Rank 0 writes it; nobody goes on (or dies) believing a save is complete before it is.
     manifest_path = os.path.join(tmp, "manifest.json")
-    with _agreed(opt.device, OSError, _not_saved(step, opt.rank, manifest_path), undo=undo):
+    with _agreed(opt.device, (OSError,), _not_saved(step, opt.rank, manifest_path), undo=undo):
         if opt.rank == 0:  # complete: it takes its name (an old one of this step's), rotation
             _all_there(tmp, {name: n for name, (n, _) in files.items()}, step)
             _commit(tmp, path, "manifest.json", manifest, keep)
@@ -624,8 +619,7 @@ def _all_there(tmp, sizes, step):
     long as written. One missing: the ranks wrote into directories of their own, one on each
     node's disk, and the checkpoint would be complete nowhere."""
     for name, size in sizes.items():
-        file = os.path.join(tmp, name)
-        if not os.path.isfile(file) or os.path.getsize(file) < size:
+        if not os.path.isfile(file := os.path.join(tmp, name)) or os.path.getsize(file) < size:
             raise CheckpointError(f"step {step} not saved: {file}, which another rank wrote, is "
                                   "not there for rank 0: --ckpt-dir must be shared by every rank")
 
@@ -658,17 +652,20 @@ def _pair(x, first, second):  # [a, b], where first(a) and second(b)
     return isinstance(x, list) and len(x) == 2 and first(x[0]) and second(x[1])
 
 
-def _manifest_problem(m):
-    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked."""
+def _manifest_problem(m, dcp=False):
+    """What is wrong with a manifest's contents, or None. Everything a reader uses is checked.
+    dcp: a DCP checkpoint's marker (read_dcp), of which step, stage, world_size and extra."""
     n, units, replicated, files = map(m.get, ("world_size", "units", "replicated", "files"))
     for key, ok, want in [("step", _count(m.get("step")), "a step number"),
                           ("stage", _count(m.get("stage")) and m["stage"] < 4, "0, 1, 2 or 3"),
                           ("world_size", _count(n, 1), "a number of ranks"),
-                          ("files", isinstance(files, dict) and files, "a non-empty dictionary"),
+                          ("files", dcp or type(files) is dict and files, "a non-empty dictionary"),
                           ("extra", isinstance(m.get("extra"), dict), "a dictionary")]:
         if not ok:
             shown = repr(m[key]) if key in m else "missing"  # (a long value: its start)
             return f"{key!r} is {shown[:100] + '...' * (len(shown) > 100)}, not {want}"
+    if dcp:
+        return None
     text = lambda x: isinstance(x, str)  # noqa: E731
     if not (isinstance(units, list) and all(isinstance(u, list) and all(
             _pair(p, text, _is_shape) for p in u) for u in units)):
@@ -703,26 +700,23 @@ def _part_problem(part, r, manifest):
         tensors = [unit.get("master"), *state.values()] if isinstance(state, dict) else [None]
         if not all(torch.is_tensor(t) and t.dim() == 1 and t.numel() == size for t in tensors):
             return f"unit {i}: not {size} elements of master weights and of each optimizer state"
-    scalars = part.get("param_scalars")
-    if not isinstance(scalars, dict) or not all(isinstance(s, dict) for s in scalars.values()):
-        return "its optimizer scalars are not a dictionary per parameter"
-    replicated = part.get("replicated")
-    if not isinstance(replicated, dict) or not all(map(torch.is_tensor, replicated.values())):
-        return "'replicated' is not a dictionary of tensors"
-    if r == 0 and {n: list(t.shape) for n, t in replicated.items()} != manifest["replicated"]:
+    # {parameter name: its optimizer scalars}, {name: a frozen parameter's or a buffer's value}
+    for k, cls in [("param_scalars", dict), ("replicated", torch.Tensor)]:
+        if not (isinstance(d := part.get(k), dict) and all(isinstance(v, cls) for v in d.values())):
+            return f"{k!r} is not a dictionary of {cls.__name__}s"
+    if r == 0 and {n: [*t.shape] for n, t in part["replicated"].items()} != manifest["replicated"]:
         return "its frozen parameters and buffers are not the ones the manifest lists"
 
 
 def _regular_size(file, missing):
     """The size of `file`, a regular file: opening a FIFO (or a device) could wait for ever."""
     try:
-        st = os.stat(file)
+        if stat.S_ISREG((st := os.stat(file)).st_mode):  # (one stat: the kind and the size)
+            return st.st_size
+        why = "not a regular file"
     except OSError as e:
-        raise CheckpointError(f"{file}: " + (missing if isinstance(e, FileNotFoundError)
-                                             else e.strerror)) from None
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file}: not a regular file")
-    return st.st_size
+        why = missing if isinstance(e, FileNotFoundError) else e.strerror
+    raise CheckpointError(f"{file}: {why}")
 
 
 def _read_json(file, missing, format, problem):
@@ -744,8 +738,9 @@ def _read_json(file, missing, format, problem):
 _LAYOUT_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
 
 
-def _not_laid_out(path, e):
-    return f"{path}: not laid out as zero.py writes checkpoints ({type(e).__name__}: {_reason(e)})"
+def _failed(path, what="not laid out as zero.py writes checkpoints"):
+    """say(e) for _agreed, or an error's line: path, what failed, and e's type and _reason."""
+    return lambda e: f"{path}: {what} ({type(e).__name__}: {_reason(e)})"
 
 
 def read_checkpoint(path, verify=None):
@@ -790,7 +785,7 @@ def load_checkpoint(opt, path):
     if path is not None and is_dcp(path):
         return load_dcp(opt, path)
     # Agree before anyone changes anything (or waits alone in a collective): _agreed
-    with _agreed(opt.device, _LAYOUT_ERRORS, functools.partial(_not_laid_out, path)):
+    with _agreed(opt.device, _LAYOUT_ERRORS, _failed(path)):
         manifest, parts = read_checkpoint(path, verify=range(opt.rank, 1 << 30, opt.world))
         check_checkpoint(opt, parts, manifest)
     load_values(opt, _reader(parts, manifest), checkpoint_state_keys(parts),
@@ -802,7 +797,7 @@ def _one_checkpoint(path, device):
     """Raise on every rank unless all read the same checkpoint at `path` (None: none), by the
     hash of its manifest.json (DCP: its marker): copies on each node's own disk may be of other
     steps, and a part of each would be loaded."""
-    with _agreed(device, OSError, lambda e: f"{path}: {e.strerror or e}"):  # (a node's own)
+    with _agreed(device, (OSError,), lambda e: f"{path}: {e.strerror or e}"):  # (a node's own)
         marker = next((os.path.join(path, name) for name in ("manifest.json", DCP_MARKER,
                        ".metadata") if path and os.path.isfile(os.path.join(path, name))), None)
         mine = hashlib.sha256(pathlib.Path(marker).read_bytes() if marker else b"").digest()
@@ -850,7 +845,7 @@ def consolidate(path, out, kind):
         state = {key: own[name].clone() if kind == "safetensors" and key != first[name] else
                  own[name] for key, name in manifest["keys"]}
     except _LAYOUT_ERRORS as e:
-        raise CheckpointError(_not_laid_out(path, e)) from None
+        raise CheckpointError(_failed(path)(e)) from None
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
     try:
         if kind != "dcp":  # (safetensors' save_file takes the name of the file it writes)
@@ -945,12 +940,11 @@ def read_dcp(path):
     is a torn checkpoint. Reads the index only, no tensor."""
     from torch.distributed.checkpoint import FileSystemReader
     info = _read_json(os.path.join(path, DCP_MARKER), "missing: the DCP checkpoint is torn (a "
-                      "save killed midway?)", DCP_FORMAT, _marker_problem)
+                      "save killed midway?)", DCP_FORMAT, lambda d: _manifest_problem(d, dcp=True))
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # (DCP's index missing or not one)
-        raise CheckpointError(f"{path}: torn or not a DCP checkpoint "
-                              f"({type(e).__name__}: {_reason(e)})") from None
+        raise CheckpointError(_failed(path, "torn or not a DCP checkpoint")(e)) from None
     for name, end in sorted(_dcp_ends(metadata).items()):
         file = os.path.join(path, name)
         if (size := _regular_size(file, "missing: the DCP checkpoint is torn")) < end:
@@ -964,11 +958,6 @@ def _dcp_ends(metadata):
     last (sorted by their ends, each file's last one is the one the dictionary keeps)."""
     items = sorted(metadata.storage_data.values(), key=lambda item: item.offset + item.length)
     return {item.relative_path: item.offset + item.length for item in items}
-
-
-def _marker_problem(d):  # what is wrong with a DCP marker's contents (read_dcp), or None
-    if not (_count(d.get("step")) and isinstance(d.get("extra"), dict)):
-        return "'step' is not a step number, or 'extra' not a dictionary"
 
 
 def check_dcp(model, optimizer, info, tensors, path):
@@ -991,8 +980,7 @@ def load_dcp(zero, path):
     only their rows' bytes, from each writer's file), and cuts its elements out of them."""
     import torch.distributed.checkpoint as dcp
     # every rank, before any change (_agreed); any other exception: DCP's, a file it cannot read
-    with _agreed(zero.device, (Exception, _dcp_error()),
-                 lambda e: f"{path}: cannot be read ({type(e).__name__}: {_reason(e)})"):
+    with _agreed(zero.device, (Exception, _dcp_error()), _failed(path, "cannot be read")):
         info, tensors = read_dcp(path)
         keys = check_dcp(zero.model, zero.optimizer, info, tensors, path)
         names = {p: n for n, p in zero.model.named_parameters()}
@@ -1057,7 +1045,7 @@ def resume(opt, args, world, device, log):
     The checkpoint's hyper-parameters are loaded with its state, then --lr is applied: the
     command line has the last word. Returns (the first step to train, the checkpoint or None)."""
     found = choose_checkpoint(args.ckpt_dir, device) if args.ckpt_dir else None
-    with _agreed(device, OSError, lambda e: f"{args.resume_from}: {e.strerror or e}"):
+    with _agreed(device):  # (checkpoint_path's CheckpointError: on every rank)
         found = found or (checkpoint_path(args.resume_from) if args.resume_from else None)
     if not found:
         return 1, None
@@ -1071,10 +1059,9 @@ def resume(opt, args, world, device, log):
         group["lr"] = args.lr
     N, G = manifest["world_size"], manifest.get("shard_size", 0)  # (G 0: none recorded)
     log(f"resumed from {found}: step {manifest['step']}, written at stage {manifest['stage']} "
-        f"by {N} rank(s)" + (" of FSDP2 (DCP)" if manifest["format"] == DCP_FORMAT else "") +
-        (f" in groups of {G} (hybrid)" if G not in (0, N) else "") +
-        (f"; its hyper-parameters loaded, then --lr {args.lr:g} applied (it had {loaded_lr:g})"
-         if loaded_lr != args.lr else ""))
+        f"by {N} rank(s)" + " of FSDP2 (DCP)" * (manifest["format"] == DCP_FORMAT) +
+        f" in groups of {G} (hybrid)" * (G not in (0, N)) + (f"; its hyper-parameters loaded, "
+        f"then --lr {args.lr:g} applied (it had {loaded_lr:g})" if loaded_lr != args.lr else ""))
     if (data := manifest["extra"].get("data")) != (position := data_position(args, world)):
         log(f"note: the data stream differs from the checkpoint's ({data}, now {position}): "
             "training goes on, on other batches")
