@@ -143,13 +143,14 @@ def _swap_in(t, value):
 
 
 def _unset(t):  # what no init has written yet: NaN (or the smallest integer)
-    return t.fill_(float("nan") if t.is_floating_point() else
+    return t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else
                    torch.iinfo(t.dtype).min if t.dtype != torch.bool else False)
 
 
 def _check_set(tensors):
-    for t, name in tensors:  # (unset: _unset's value left, anywhere a float, everywhere else)
-        if torch.isnan(t).any() if t.is_floating_point() else \
+    # unset: _unset's value left, anywhere in a float or complex tensor, everywhere in another
+    for t, name in tensors:
+        if torch.isnan(t).any() if t.is_floating_point() or t.is_complex() else \
                 t.numel() > 0 and t.dtype != torch.bool and (t == torch.iinfo(t.dtype).min).all():
             raise ValueError(f"zero: {name} is not initialized: init(module) must set every "
                              "parameter and buffer of the module it is given")

@@ -298,3 +298,32 @@ class HFLike(nn.Module):
         for block in t.h:
             h = block(h)
         return types.SimpleNamespace(logits=self.lm_head(t.ln_f(h)))
+
+
+def test_complex_parameter_on_the_meta_device(one_rank):
+    # A complex parameter (a spectral filter's weights) built on the meta device: init= sets it as
+    # a normally built model's, and one its init leaves unset is refused, as a float's is
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.head = nn.Parameter(torch.empty(D, D, dtype=torch.cfloat)), nn.Linear(D, 1)
+
+        def forward(self, x):
+            return self.head((x.to(torch.cfloat) @ self.w).abs())
+
+    def init(m):  # (drawn from a seed of its own: the same whichever order the modules come in)
+        g = torch.Generator().manual_seed(3 + isinstance(m, Spectral))
+        for p in m.parameters(recurse=False):
+            p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=g))
+    ref = Spectral()
+    with torch.no_grad():
+        ref.apply(init)
+    with torch.device("meta"):
+        model, unset = Spectral(), Spectral()
+    opt = zero.wrap(model, 3, CASES["adamw"]["optimizer"], init=init)
+    full = opt.full_state_dict()
+    assert full["w"].dtype == torch.cfloat and full["w"].abs().min() > 0
+    assert all(torch.equal(full[n], p.detach()) for n, p in ref.named_parameters())
+    with pytest.raises(ValueError, match="zero: w is not initialized"):
+        zero.wrap(unset, 3, CASES["adamw"]["optimizer"], init=lambda m: isinstance(m, nn.Linear)
+                  and m.reset_parameters())
