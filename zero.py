@@ -677,8 +677,7 @@ def configure(zero, model, options):
     model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
     model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1), always_call=True)
     # Ranks that disagree would hang or exchange garbage: the first collective is a small one
-    mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
-    layout_hash = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+    layout_hash = hashlib.sha256(repr(layout(zero)).encode()).hexdigest()[:16]
     same_on_every_rank({"stage": zero.stage, "Ψ": zero.psi, **{"shard_size" if k == "N" else k:
         getattr(zero, k) for k in AGREED}, "layout hash": layout_hash}, zero.device, "zero: ")
     if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
