@@ -1930,10 +1930,9 @@ def run(main, argv=None):
             code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, "
                              "another rank is gone or the group's timeout (--timeout) passed "
                              f"({str(e).strip().splitlines()[0][:200]})")
-    except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
-        code, line = 4, f"error: {e}"
-    except OSError as e:  # a file this rank cannot write or read (a full disk...): its own line
-        code, line = 1, f"error: {e}"
+    except (OutOfMemory, OSError) as e:  # this rank's own line: out of memory (the others fail
+        # in their next collective), or a file it cannot write or read (a full disk...)
+        code, line = (4 if isinstance(e, OutOfMemory) else 1), f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
         ckpt = any(a.startswith("--ckpt-d") for a in argv or sys.argv)  # (abbreviated too)
         code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
