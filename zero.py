@@ -1438,15 +1438,14 @@ ENDINGS = [" before the step", " during backward", " after the forward", " at on
 @functools.lru_cache(maxsize=None)  # (bytes: each call's the same object, never changed)
 def corpus(size=1 << 17):
     """`size` bytes of sentences from a fixed LCG: the same text on any torch or Python."""
-    x, out, n = 12345, [], 0
-    while n < size:
+    x, text = 12345, ""
+    while len(text) < size:  # (ASCII: a character a byte)
         words = []
         for choices in (SUBJECTS, VERBS, OBJECTS, ENDINGS):
             x = (x * 1103515245 + 12345) % 2**31
             words.append(choices[(x >> 16) % len(choices)])
-        out.append(f"{words[0]} {words[1]} {words[2]}{words[3]}.\n")
-        n += len(out[-1])
-    return "".join(out).encode()[:size]
+        text += f"{words[0]} {words[1]} {words[2]}{words[3]}.\n"
+    return text.encode()[:size]
 
 
 def demo_data(path=None):
