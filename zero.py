@@ -784,9 +784,8 @@ def make_units(zero, model, modules):
         unit.index = i
         for p in unit.params:
             p._zero_unit = weakref.ref(unit)  # wrapped (and, at stage 3, where its values live)
-    owner = {p: u for u in units for p in u.params}
-    zero.computes_with = {m: units_of for m in [model] + modules if (units_of := list(
-        dict.fromkeys(owner[p] for p in own_parameters(m, modules) if p in owner)))}
+    zero.computes_with = {m: units_of for m in [model] + modules if (units_of := list(dict.fromkeys(
+        p._zero_unit() for p in own_parameters(m, modules) if hasattr(p, "_zero_unit"))))}
     return units
 
 
