@@ -677,8 +677,7 @@ def configure(zero, model, options):
     model.register_forward_pre_hook(lambda *_: running.__setitem__(0, running[0] + 1))
     model.register_forward_hook(lambda *_: running.__setitem__(0, running[0] - 1), always_call=True)
     # Ranks that disagree would hang or exchange garbage: the first collective is a small one
-    mine = {k: v for k, v in layout(zero).items() if k not in ("world_size", "shard_size")}
-    layout_hash = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+    layout_hash = hashlib.sha256(repr(layout(zero)).encode()).hexdigest()[:16]
     same_on_every_rank({"stage": zero.stage, "Ψ": zero.psi, **{"shard_size" if k == "N" else k:
         getattr(zero, k) for k in AGREED}, "layout hash": layout_hash}, zero.device, "zero: ")
     if zero.N < zero.world:  # hybrid sharding (hybrid.py, a file of its own)
@@ -783,11 +782,10 @@ def make_units(zero, model, modules):
              for mods, params in groups]
     for i, unit in enumerate(units):
         unit.index = i
-        for p in unit.params:
-            p._zero_unit = weakref.ref(unit)  # wrapped (and, at stage 3, where its values live)
-    owner = {p: u for u in units for p in u.params}
-    zero.computes_with = {m: units_of for m in [model] + modules if (units_of := list(
-        dict.fromkeys(owner[p] for p in own_parameters(m, modules) if p in owner)))}
+        for p in unit.params:  # wrapped: its unit (at stage 3, where its values live), its name
+            p._zero_unit, p._zero_name = weakref.ref(unit), name[p]
+    zero.computes_with = {m: units_of for m in [model] + modules if (units_of := list(dict.fromkeys(
+        p._zero_unit() for p in own_parameters(m, modules) if hasattr(p, "_zero_unit"))))}
     return units
 
 
@@ -963,9 +961,9 @@ def refuse_silent_steps(zero, *_):
                            "it (not opt.optimizer.step(), nor a group added since)")
     for u, p in [(u, p) for u in zero.units for p in u.params if p.grad is not None]:
         if not zero.keeps_full_grads or p.grad._base is not u.grad:  # (not a view of u.grad)
-            raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]}"
-                               ".grad was set by hand since backward: step() steps the gradient "
-                               "backward gave it (at stages 0, 1, change p.grad in place)")
+            raise RuntimeError(f"zero: {p._zero_name}.grad was set by hand since backward: "
+                               "step() steps the gradient backward gave it (at stages 0, 1, "
+                               "change p.grad in place)")
 
 
 def cut_pieces(zero, u, per_parameter):
@@ -1245,9 +1243,8 @@ class ShardedParameter(nn.Parameter):
 
 
 def guard_sharded_parameters(zero):
-    for name, p in zero.model.named_parameters():
-        if hasattr(p, "_zero_unit"):
-            p.__class__, p._zero_name = ShardedParameter, name
+    for p in [p for u in zero.units for p in u.params]:
+        p.__class__ = ShardedParameter
 
 
 def same_on_every_rank(fields, device, prefix=""):
@@ -1307,7 +1304,7 @@ def check_gradient(zero, p):
                            "wrapped optimizer's zero_grad() first (not the model's)")
     moved = p.untyped_storage().data_ptr() != p._zero_unit().flat.untyped_storage().data_ptr()
     if moved or p.grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse custom grad
-        raise RuntimeError(f"zero: {dict(map(reversed, zero.model.named_parameters()))[p]} " + (
+        raise RuntimeError(f"zero: {p._zero_name} " + (
             "has new .data since wrap() (resized?): change the model, then wrap it" if moved else
             f"got a sparse gradient ({p.grad.layout}): zero.py reduces dense ones; sparse=False"))
 
@@ -1350,16 +1347,15 @@ def settle_unused(zero, with_grad):
 def guard_conversions(model):
     """model.to(), .float(), .cuda()... would give the units' parameters converted copies, not
     views: silently wrong training. Refused; the rest converts."""
-    names = {p: n for n, p in model.named_parameters()}
     for module in model.modules():
-        module._apply = functools.partial(_convert, module, module._apply, names)
+        module._apply = functools.partial(_convert, module, module._apply)
 
 
-def _convert(module, apply, names, fn, recurse=True):
+def _convert(module, apply, fn, recurse=True):
     for p in module.parameters(recurse=recurse):  # what this conversion would reach
         probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))  # what p would become
         if hasattr(p, "_zero_unit") and (probe.dtype, probe.device) != (p.dtype, p.device):
-            raise RuntimeError(f"zero: converting the wrapped model would make {names[p]} "
+            raise RuntimeError(f"zero: converting the wrapped model would make {p._zero_name} "
                                f"{probe.dtype} on {probe.device}, outside its unit: build it so "
                                "before wrap() (mixed precision: wrap(param_dtype=...))")
     with torch._C.DisableTorchFunctionSubclass():  # (stage 3: p itself, not its values)
@@ -1417,12 +1413,11 @@ DataParallel.load_full_state_dict = lambda self, s: _checkpoints().load_full_sta
 
 def layout(zero):
     """The names and shapes of each unit's parameters, and what else a reader needs."""
-    names = {p: n for n, p in zero.model.named_parameters()}
     u0 = zero.units[0]
     return {"stage": zero.stage, "world_size": zero.world, "shard_size": zero.N, "psi": zero.psi,
             "dtype": {"compute": str(u0.flat.dtype),  # the masters': float32, or float64 kept
                       "master": str(torch.promote_types(u0.master.dtype, torch.float32))},
-            "units": [[[names[p], list(p.shape)] for p in u.params] for u in zero.units],
+            "units": [[[p._zero_name, list(p.shape)] for p in u.params] for u in zero.units],
             "replicated": {n: list(t.shape) for n, t in replicated(zero.model)}}
 
 
@@ -1439,15 +1434,14 @@ ENDINGS = [" before the step", " during backward", " after the forward", " at on
 @functools.lru_cache(maxsize=None)  # (bytes: each call's the same object, never changed)
 def corpus(size=1 << 17):
     """`size` bytes of sentences from a fixed LCG: the same text on any torch or Python."""
-    x, out, n = 12345, [], 0
-    while n < size:
+    x, text = 12345, ""
+    while len(text) < size:  # (ASCII: a character a byte)
         words = []
         for choices in (SUBJECTS, VERBS, OBJECTS, ENDINGS):
             x = (x * 1103515245 + 12345) % 2**31
             words.append(choices[(x >> 16) % len(choices)])
-        out.append(f"{words[0]} {words[1]} {words[2]}{words[3]}.\n")
-        n += len(out[-1])
-    return "".join(out).encode()[:size]
+        text += f"{words[0]} {words[1]} {words[2]}{words[3]}.\n"
+    return text.encode()[:size]
 
 
 def demo_data(path=None):
@@ -1931,10 +1925,9 @@ def run(main, argv=None):
             code, line = 1, (f"error: rank {os.environ.get('RANK', 0)}: a collective failed, "
                              "another rank is gone or the group's timeout (--timeout) passed "
                              f"({str(e).strip().splitlines()[0][:200]})")
-    except OutOfMemory as e:  # this rank's own line: the others fail in their next collective
-        code, line = 4, f"error: {e}"
-    except OSError as e:  # a file this rank cannot write or read (a full disk...): its own line
-        code, line = 1, f"error: {e}"
+    except (OutOfMemory, OSError) as e:  # this rank's own line: out of memory (the others fail
+        # in their next collective), or a file it cannot write or read (a full disk...)
+        code, line = (4 if isinstance(e, OutOfMemory) else 1), f"error: {e}"
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, rank 0's
         ckpt = any(a.startswith("--ckpt-d") for a in argv or sys.argv)  # (abbreviated too)
         code, line = 130, ("interrupted" + "; the checkpoints written so far are intact" *
