@@ -372,10 +372,10 @@ def _trial(args, stage, layers):
             "shard_size") if getattr(args, name) is not None and (stage or name != "shard_size")]
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for the ranks to meet
         port = str(s.getsockname()[1])
-    ctx = get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(args.world_size)]
-    procs = [ctx.Process(target=_trial_rank, args=(str(r), str(args.world_size), port, argv, send))
-             for r, (_, send) in enumerate(pipes)]
+    # (connection.Pipe: what every multiprocessing context's Pipe() returns; the ranks: spawned)
+    pipes = [connection.Pipe(duplex=False) for _ in range(args.world_size)]
+    procs = [get_context("spawn").Process(target=_trial_rank, args=(
+        str(r), str(args.world_size), port, argv, send)) for r, (_, send) in enumerate(pipes)]
     for p, (_, send) in zip(procs, pipes):
         p.start()
         send.close()  # the rank holds it now: one that dies is its pipe's EOF (_collect)
