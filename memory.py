@@ -483,7 +483,7 @@ class Timeline(list):
     is in flight), "cuda": torch.cuda.memory_allocated, activations included, or None}."""
 
     def record(self, zero, what, unit):
-        i = None if unit is None else zero.units.index(unit)
+        i = None if unit is None else unit.index
         # "reduction launched" and "landed": "all-reduce of unit 3 launched" (the stage's kind)
         reduction = f"{'all-reduce' if zero.stage == 0 else 'reduce-scatter'} of unit {i}"
         label = {"gather": f"gather unit {i}", "free": f"free unit {i}",
