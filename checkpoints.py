@@ -80,7 +80,10 @@ def checkpoint_part(zero):
                for u in zero.units for piece, owners in zip(u.pieces, u.owners)
                if state[piece] for p in owners}
     for u in zero.units:
-        S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
+        # one Nth of the unit's elements, rounded up, as readers size a part (_reader,
+        # _part_problem): part q is [q*S, (q+1)*S). Not flat's Nth, the same but for a unit of
+        # no elements, which flat pads to one element a rank.
+        S = -(-sum(p.numel() for p in u.params) // zero.world)
         lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
         # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
         units.append({"master": _slice_of(u.pieces, lo, S), "state": {k: _slice_of(
