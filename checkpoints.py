@@ -767,13 +767,12 @@ def read_checkpoint(path, verify=None):
             elif (verify is None or r in verify) and _sha256(file) != digest:
                 problem = "its sha256 differs from the manifest's: the file is corrupt"
             else:
-                part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                problem = _part_problem(part, r, manifest)
+                parts.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+                problem = _part_problem(parts[r], r, manifest)
         except Exception as e:  # an OSError; weights_only refuses all but tensors and containers
             problem = f"cannot be read ({_reason(e)})"
         if problem:
             raise CheckpointError(f"{file}: {problem}")
-        parts.append(part)
     return manifest, parts
 
 
