@@ -1003,7 +1003,8 @@ def load_dcp(zero, path):
     def read(name, lo, hi, key):
         t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
         return t.reshape(-1)[lo:hi]
-    load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
+    # (info["hyper"]: check_dcp's another_optimizer found a dict for each of the groups)
+    load_values(zero, read, sorted(per_element), scalars, info["hyper"],
                 {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
     return info
 
