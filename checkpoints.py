@@ -158,6 +158,8 @@ def _reader(parts, written):
 
     def read(name, lo, hi, key):
         i, o, S = where[name]
+        if lo == hi:  # a parameter of no elements, in its part's dtype (its unit may hold none)
+            return parts[0]["units"][i]["master"][:0]
         lo, hi, out = o + lo, o + hi, []
         for q in range(lo // S, -(-hi // S)):  # the ranks that wrote elements [lo, hi)
             unit = parts[q]["units"][i]
