@@ -80,7 +80,10 @@ def checkpoint_part(zero):
                for u in zero.units for piece, owners in zip(u.pieces, u.owners)
                if state[piece] for p in owners}
     for u in zero.units:
-        S = u.flat.numel() // zero.world  # one Nth of the unit: part q is [q*S, (q+1)*S)
+        # one Nth of the unit's elements, rounded up, as readers size a part (_reader,
+        # _part_problem): part q is [q*S, (q+1)*S). Not flat's Nth, the same but for a unit of
+        # no elements, which flat pads to one element a rank.
+        S = -(-sum(p.numel() for p in u.params) // zero.world)
         lo = q * S - u.stepped.start  # where part q starts in what this rank steps (stage 0:
         # everything, so it writes 1/N; from stage 1: its shard, or with G < N one of its parts)
         units.append({"master": _slice_of(u.pieces, lo, S), "state": {k: _slice_of(
@@ -155,6 +158,8 @@ def _reader(parts, written):
 
     def read(name, lo, hi, key):
         i, o, S = where[name]
+        if lo == hi:  # a parameter of no elements, in its part's dtype (its unit may hold none)
+            return parts[0]["units"][i]["master"][:0]
         lo, hi, out = o + lo, o + hi, []
         for q in range(lo // S, -(-hi // S)):  # the ranks that wrote elements [lo, hi)
             unit = parts[q]["units"][i]
@@ -764,13 +769,12 @@ def read_checkpoint(path, verify=None):
             elif (verify is None or r in verify) and _sha256(file) != digest:
                 problem = "its sha256 differs from the manifest's: the file is corrupt"
             else:
-                part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                problem = _part_problem(part, r, manifest)
+                parts.append(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+                problem = _part_problem(parts[r], r, manifest)
         except Exception as e:  # an OSError; weights_only refuses all but tensors and containers
             problem = f"cannot be read ({_reason(e)})"
         if problem:
             raise CheckpointError(f"{file}: {problem}")
-        parts.append(part)
     return manifest, parts
 
 
@@ -1001,7 +1005,8 @@ def load_dcp(zero, path):
     def read(name, lo, hi, key):
         t = loaded[f"model.{name}" if key == "master" else f"optimizer.state.{name}.{key}"]
         return t.reshape(-1)[lo:hi]
-    load_values(zero, read, sorted(per_element), scalars, info.get("hyper") or [],
+    # (info["hyper"]: check_dcp's another_optimizer found a dict for each of the groups)
+    load_values(zero, read, sorted(per_element), scalars, info["hyper"],
                 {n: loaded[f"model.{n}"] for n, _ in replicated(zero.model)})
     return info
 

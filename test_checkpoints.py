@@ -989,6 +989,28 @@ def test_a_buffer_shared_by_two_modules_saves_loads_and_consolidates(one_rank, t
         assert torch.equal(state["blocks.1.scale"], torch.full((D,), 2.0))
 
 
+@pytest.mark.parametrize("units", ["each", "one"])
+def test_parameters_of_no_elements_save_load_and_consolidate(one_rank, tmp_path, units):
+    # A unit whose parameters hold no elements is padded to one element a rank: state_dict()
+    # wrote that padding as its part, and every load refused it ("unit 0: not 0 elements");
+    # reading such a parameter found no part (torch.cat of none), or divided by its part size 0
+    model = nn.Sequential(nn.Linear(D, 0), nn.Linear(D, D))
+    opt = zero.wrap(model, 1, functools.partial(torch.optim.AdamW, lr=0.1),
+                    units=list(model) if units == "each" else [])
+    x = torch.randn(B, D)
+    (model[0](x).sum() + model[1](x).sum()).backward()
+    opt.step()
+    want = opt.full_state_dict()
+    checkpoints.save_checkpoint(opt, str(tmp_path), 1)
+    opt.load_state_dict(opt.state_dict())
+    path = checkpoints.latest_checkpoint(str(tmp_path))
+    checkpoints.load_checkpoint(opt, path)
+    assert all(torch.equal(t, want[n]) for n, t in opt.full_state_dict().items())
+    checkpoints.consolidate(path, str(tmp_path / "m.pt"), "pt")
+    state = torch.load(tmp_path / "m.pt")
+    assert state.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in state.items())
+
+
 def test_a_failed_manifest_write_leaves_the_previous_checkpoint(one_rank, tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     model, opt = wrapped(0, 1, "adamw", seed=100)
