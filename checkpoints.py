@@ -664,6 +664,8 @@ def _manifest_problem(m, dcp=False):
     for key, ok, want in [("step", _count(m.get("step")), "a step number"),
                           ("stage", _count(m.get("stage")) and m["stage"] < 4, "0, 1, 2 or 3"),
                           ("world_size", _count(n, 1), "a number of ranks"),
+                          ("shard_size", "shard_size" not in m or _count(n, 1) and _count(
+                              g := m["shard_size"], 1) and n % g == 0, "a divisor of world_size"),
                           ("files", dcp or type(files) is dict and files, "a non-empty dictionary"),
                           ("extra", isinstance(m.get("extra"), dict), "a dictionary")]:
         if not ok:
@@ -850,6 +852,10 @@ def consolidate(path, out, kind):
                  own[name] for key, name in manifest["keys"]}
     except _LAYOUT_ERRORS as e:
         raise CheckpointError(_failed(path)(e)) from None
+    # (the safetensors format has complex64, not complex128: save_file would fail with a KeyError)
+    wide = [k for k, t in state.items() if t.dtype == torch.cdouble and kind == "safetensors"]
+    if wide:
+        raise UsageError(f"--out {out}: safetensors holds no complex128 ({wide[0]}): a .pt or DCP")
     tmp = out.rstrip(os.sep) + ".partial"  # (a DCP directory is written there, then renamed)
     try:
         if kind != "dcp":  # (safetensors' save_file takes the name of the file it writes)
@@ -1058,7 +1064,7 @@ def resume(opt, args, world, device, log):
     manifest = getattr(opt, "load_checkpoint", functools.partial(load_checkpoint, opt))(found)
     # (no shape shows --n-head: the same weights with other heads would be another model)
     if (heads := manifest["extra"].get("n_head", args.n_head)) != args.n_head:
-        raise UsageError(f"{found}: written with --n-head {heads}, not {args.n_head}")
+        raise UsageError(f"{found}: written with --n-head {heads!r}, not {args.n_head}")
     loaded_lr = opt.optimizer.param_groups[0]["lr"]
     for group in opt.optimizer.param_groups:
         group["lr"] = args.lr
@@ -1110,8 +1116,9 @@ def read_state_dict(path, device=None):
         # (the loader's message, its lines as one; torch's for a file not a zip: mmap's)
         old = os.path.isfile(path) and not path.endswith(".safetensors") and \
             not zipfile.is_zipfile(path)  # (torch 1.5's torch.save, or not torch's at all)
-        why = "not the zip file torch.save writes; a legacy-format one: torch.load it and save " \
-            "it again" if old else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        why = "not the zip file torch.save writes: cut short, or not torch's; a legacy-format " \
+            "one: torch.load it and save it again" if old else \
+            f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         raise UsageError(f"--init-from {path}: not a readable state_dict file ({why})") from None
     if not isinstance(state, dict):
         raise UsageError(f"--init-from {path}: holds a {type(state).__name__}, not a state_dict")

@@ -936,6 +936,32 @@ def test_a_file_written_on_a_full_disk_is_one_line_and_leaves_none(tmp_path, mon
     assert (tmp_path / "t.svg").read_text(encoding="utf-8") == "<svg>Ψ</svg>"
 
 
+def test_complex_parameters_consolidate_to_what_each_format_holds(one_rank, tmp_path):
+    # complex64 and complex128 masters (a spectral layer's weights): .pt holds both, safetensors
+    # complex64 only: complex128 is refused in one line (it was safetensors' KeyError), no file
+    import safetensors.torch
+    def model(*dtypes):  # a unit of each dtype (a unit's parameters share one)
+        m = nn.ModuleList(nn.ParameterList([torch.randn(3, dtype=t)]) for t in dtypes)
+        opt = zero.wrap(m, 1, functools.partial(torch.optim.AdamW, lr=0.1), units=list(m))
+        sum(p.abs().sum() for p in m.parameters()).backward()
+        opt.step()
+        checkpoints.save_checkpoint(opt, str(tmp_path / str(dtypes)), 1)
+        return checkpoints.latest_checkpoint(str(tmp_path / str(dtypes))), opt.full_state_dict()
+    path, want = model(torch.float32, torch.cfloat, torch.cdouble)
+    checkpoints.consolidate(path, str(tmp_path / "m.pt"), "pt")
+    state = torch.load(tmp_path / "m.pt")
+    assert state["2.0"].dtype == torch.cdouble and all(torch.equal(state[n], t)
+                                                        for n, t in want.items())
+    with pytest.raises(zero.UsageError, match="safetensors holds no complex128 \\(2.0\\)"):
+        checkpoints.consolidate(path, str(tmp_path / "m.safetensors"), "safetensors")
+    assert not os.path.exists(tmp_path / "m.safetensors")
+    path, want = model(torch.float32, torch.cfloat)
+    checkpoints.consolidate(path, str(tmp_path / "m.safetensors"), "safetensors")
+    state = safetensors.torch.load_file(tmp_path / "m.safetensors")
+    assert state["1.0"].dtype == torch.cfloat and all(torch.equal(state[n], t)
+                                                       for n, t in want.items())
+
+
 def test_consolidate_to_safetensors_on_a_full_disk_is_one_line(one_rank, tmp_path, monkeypatch):
     # safetensors' own error (a traceback before), as .pt and .dcp on a full disk: nothing left
     import safetensors.torch
@@ -1122,6 +1148,8 @@ def test_the_manifest_is_data(abused, tmp_path):
         "empty files": ({"files": {}}, "'files' is {}, not a non-empty dictionary"),
         "false shape": ({"units": false_shape}, "'units' is not a list"),
         "world size": ({"world_size": 0}, "'world_size' is 0"),
+        "shard size": ({"shard_size": 3}, "'shard_size' is 3, not a divisor of world_size"),
+        "shard size x": ({"shard_size": "x"}, "'shard_size' is 'x', not a divisor"),
         "psi": ({"psi": 5}, "'psi' is 5"),
         "bad hash": ({"files": {**files, "rank_00000.pt": [files["rank_00000.pt"][0], "../x"]}},
                      "'files' entry rank_00000.pt"),

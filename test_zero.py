@@ -1854,8 +1854,9 @@ def test_hybrid_memory_and_communication_by_group(hybrid_runs, stage, case):
 # The formulas alone (--estimate), and wrap()'s own refusals
 
 def test_wrap_rejects_a_bad_stage():
-    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
-        zero.wrap(Net(seed=0), 4, torch.optim.SGD)
+    for stage in (4, 2.0, True, "2"):  # (2.0 and True compare equal to a stage)
+        with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+            zero.wrap(Net(seed=0), stage, torch.optim.SGD)
 
 
 def by_dim(params):  # nanoGPT's weight decay on matrices only: every flat piece is 1-D
@@ -2288,7 +2289,7 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--steps", "2.5"], "invalid positive int value: '2.5'"),
              (["--lr", "abc"], "invalid positive float value: 'abc'"),
              (["--init-from", str(afile)], "not a readable state_dict file (not the "
-              "zip file torch.save writes; a legacy-format one: torch.load it"),  # (not mmap's)
+              "zip file torch.save writes: cut short, or not torch's"),  # (not mmap's)
              (["--shard-size", "2"], "must divide the world size 1"),
              (["--data", str(afile)], f"--data {afile} has 0 bytes: too few for a row"),
              (["--resume-from", str(afile / "x")], "no such directory"),

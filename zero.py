@@ -555,7 +555,7 @@ def wrap(model, stage, optimizer, **options):
     (setup() makes one if there is none; import zero before init_process_group: see setup());
     return the optimizer that trains it. optimizer: makes a torch optimizer of tensors, e.g.
     partial(torch.optim.AdamW, lr=1e-3); options: Options."""
-    if stage not in range(len(STAGES)):
+    if type(stage) is not int or stage not in range(len(STAGES)):  # (not 2.0, nor True)
         raise ValueError(f"zero: stage must be 0, 1, 2 or 3, not {stage!r}")
     return STAGES[stage](model, optimizer, **options)
 
