@@ -1892,6 +1892,8 @@ def test_wrap_refuses_what_would_not_step_as_unsharded_torch(optimizer, says):
     (dict(bucket_bytes=-5), "zero: bucket_bytes must be a whole number of bytes, 0 or more"),
     (dict(param_dtype=torch.int32), "zero: param_dtype must be a floating-point torch dtype, not "),
     (dict(reduce_dtype="fp32"), "zero: reduce_dtype must be a floating-point torch dtype, not 'fp"),
+    (dict(shard_size=0), "zero: shard_size must be an int dividing the world size 1, not 0"),
+    (dict(shard_size=1.0), "zero: shard_size must be an int dividing the world size 1, not"),
 ])
 def test_wrap_refuses_a_bad_option_in_one_line(option, says):  # (an unknown one: Python's own)
     with pytest.raises((ValueError, TypeError), match=f"^{re.escape(says)}"):
@@ -2286,11 +2288,12 @@ def test_bad_flags_are_one_line(one_rank, tmp_path, capsys):
              (["--ckpt-dir", ""], "--ckpt-dir '': an empty name"),  # (else: no checkpoints)
              (["--consolidate", ""], "--consolidate '': an empty name"),  # (else: training)
              (["--lr", "1e39"], "beyond float32's range"),
+             (["--lr", "inf"], "'inf' must be positive and finite"),
              (["--steps", "2.5"], "invalid positive int value: '2.5'"),
              (["--lr", "abc"], "invalid positive float value: 'abc'"),
              (["--init-from", str(afile)], "not a readable state_dict file (not the "
               "zip file torch.save writes: cut short, or not torch's"),  # (not mmap's)
-             (["--shard-size", "2"], "must divide the world size 1"),
+             (["--shard-size", "2"], "must be an int dividing the world size 1"),
              (["--data", str(afile)], f"--data {afile} has 0 bytes: too few for a row"),
              (["--resume-from", str(afile / "x")], "no such directory"),
              (["--timeline", str(tmp_path / "t.txt")], "name it FILE.svg"),

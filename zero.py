@@ -661,7 +661,7 @@ def configure(zero, model, options):
         setup(device=built.pop() if len(built) == 1 else o.device and torch.device(o.device).type)
     vars(zero).update(vars(o))
     zero.rank, zero.world = dist.get_rank(), dist.get_world_size()
-    zero.N = zero.shard_size or zero.world  # hybrid sharding: G (and its groups, below)
+    zero.N = zero.world if zero.shard_size is None else zero.shard_size  # hybrid: G (groups below)
     zero.group = zero.replica_group = None
     zero.mixed_precision = zero.param_dtype is not None
     zero.reduce_dtype = zero.reduce_dtype or (torch.float32 if zero.mixed_precision else None)
@@ -740,8 +740,8 @@ def make_units(zero, model, modules):
                 ("param_dtype", zero.param_dtype), ("reduce_dtype", zero.reduce_dtype))],
             (any(hasattr(p, "_zero_unit") for p in model.parameters()), "this model is wrapped "
              "already (wrap() changes it in place): build a new model to wrap it again"),
-            (not (isinstance(zero.N, int) and zero.N > 0 and zero.world % zero.N == 0),
-             f"shard_size must divide the world size {zero.world}, not {zero.N!r}"),
+            (not (type(zero.N) is int and zero.N > 0 and zero.world % zero.N == 0),
+             f"shard_size must be an int dividing the world size {zero.world}, not {zero.N!r}"),
             (zero.stage == 0 and zero.N != zero.world,
              "shard_size is for stages 1-3 (hybrid sharding); stage 0 shards nothing"),
             (real and len(real) < len(list(model.parameters())),  # (then materialize)
@@ -1776,7 +1776,7 @@ class Parser(argparse.ArgumentParser):
 def positive(kind):
     def parse(text):  # (not a number: argparse says "invalid positive int value: '2.5'")
         if not 0 < (value := kind(text)) < float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive and finite")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
