@@ -105,14 +105,14 @@ class Unit:
         self.stepped = self.my_slice  # the elements this rank's optimizer steps
         self.master = self.shard      # those elements as the optimizer steps them (or an fp32 copy)
         self.grad = None              # [N*S] the gradient buffer (stages 2, 3: in backward only)
-        self.grad_shard = None        # the gradient of the elements stepped: the sum, then / N
+        self.grad_shard = None        # the gradient of the elements stepped: the sum over ranks / N
         self.step_grad = None         # ... in the master's dtype, during step() only
         # What backward has done with it so far:
         self.arrived = 0              # its parameters given a gradient in this backward
         self.received = set()         # ... since zero_grad() (step() steps what any rank got)
         self.unreduced = False        # it holds local gradients that no reduction has summed yet
-        # p unused here (stages 0, 1): count_unused adds it, its slice reduced as zeros; that holds
-        # the others' mean, which _reduce_grads (settle_unused) shows as p.grad if some rank used p
+        # p unused on this rank (stages 0, 1): count_unused adds it, and reduces its slice as zeros,
+        # so the slice holds the other ranks' mean, which settle_unused then makes p.grad
         self.hidden = set()
         self.index = None             # its place in the model's list of units
 
@@ -443,12 +443,12 @@ class ZeRO2(ZeRO1):
 class ZeRO3(ZeRO2):
     """Changes vs ZeRO2: each unit keeps only its [S] shard of the parameters. A hook all-gathers
     the unit right before its module computes in forward and frees it right after; it is
-    gathered again right before the module's backward and freed once its gradient's
-    reduce-scatter is launched. Only the unit computing is gathered (with overlap, also the next
-    one, prefetched; the root; one whose output has no tensor to hook), never the whole model.
-    Memory 16Ψ/N (paper); communication 3Ψ (N-1)/N: a unit is all-gathered twice per step, not
-    once. The root unit (what no unit holds, e.g. embeddings and final norm) once: it stays
-    gathered from the start of forward until its gradient is reduced, as FSDP2 keeps its root."""
+    gathered again for the module's backward (a layer's input gradient, grad_out @ W, needs W)
+    and freed once its reduce-scatter is launched. Only the unit computing is gathered (with
+    overlap, also the next one, prefetched; the root; one whose output has no tensor to hook),
+    never the whole model. Memory 16Ψ/N (paper); communication 3Ψ (N-1)/N: a unit is
+    all-gathered twice per step, not once. The root unit (what no unit holds: embeddings, final
+    norm) once: gathered from the start of forward until its gradient is reduced, as FSDP2's."""
 
     stage = 3
 
@@ -516,7 +516,7 @@ class ZeRO3(ZeRO2):
                 tensors, functools.partial(self._pre_backward, units, call), mode="any")
 
     def _pre_backward(self, units, call, grad):
-        if not torch.is_grad_enabled():  # (create_graph: a later backward reads them again)
+        if not torch.is_grad_enabled():  # (not create_graph, whose next backward reads them)
             self._queue_end_of_backward()  # which frees them even if no parameter gets a gradient
         for u in units:
             self._gather(u)
