@@ -620,9 +620,9 @@ def main(argv=None):
     unknown = next((name for name in args.names if name not in MISTAKES), None)
     where = os.path.dirname(args.json or "") or "."  # --json's directory
     for bad, message in [
-            (unknown is not None, f"no mistake named {unknown!r}; see `python mistakes.py --list`"),
-            (args.json == "", "--json '': an empty name"),  # (else no file, and no word of it)
             (args.list and (args.names or args.json), "--list: not with names or --json"),
+            (args.json == "", "--json '': an empty name"),  # (else no file, and no word of it)
+            (unknown is not None, f"no mistake named {unknown!r}; see `python mistakes.py --list`"),
             (args.json and os.path.isdir(args.json), f"--json {args.json}: is a directory"),
             (args.json and not os.path.isdir(where), f"--json {args.json}: no directory {where}"),
             (args.json and not writable(where), f"--json {args.json}: cannot write in {where}")]:
