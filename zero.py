@@ -146,12 +146,11 @@ def all_gather(out, shard, async_op=False, group=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path,
-# the same at every stage: backward -> _on_grad puts it into its unit's flat gradient ->
-# _reduce_unit launches the unit's reduction (_reduce: the sum over ranks) -> it lands (_land)
-# -> / N, the mean (stage 0: as it lands; stages 1-3: in _reduce_grads) -> step() hands each
-# optimizer tensor its slice -> optimizer.step() -> _gather_params (stages 1 and 2; stage 3
-# gathers at the next forward).
+# Stage 0: data parallelism, the baseline every stage is measured against. A gradient's path, the
+# same at every stage: backward -> _on_grad puts it into its unit's flat gradient -> _reduce_unit
+# launches the unit's reduction (_reduce: the sum over ranks) -> it lands (_land) -> / N, the mean
+# (stage 0: as it lands; stages 1-3: in _reduce_grads) -> step() hands each optimizer tensor its
+# slice -> optimizer.step() -> _gather_params (stages 1 and 2; stage 3 gathers at the next forward).
 
 class DataParallel:
     """Stage 0: every rank holds full parameters, gradients and optimizer state; gradients are
